@@ -1,0 +1,10 @@
+"""torch_spdl: a drop-in ``torch.utils.data.DataLoader`` on per-stage thread pools."""
+
+from torch.utils.data import get_worker_info
+
+from . import pipeline
+from .dataloader import DataLoader
+from .hooks import StagedDataset
+
+__all__ = ["DataLoader", "StagedDataset", "get_worker_info", "pipeline"]
+__version__ = "0.1.0"

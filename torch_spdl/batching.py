@@ -1,0 +1,156 @@
+"""Turning sampler output into work items, and work items back into the batch sampler's batches.
+
+Without hooks a whole batch is one task (torch's own unit of work: one hand-off per batch, and
+``__getitems__`` is honoured). With hooks every sample is a task, tagged with its batch's seq and
+its position, and :func:`assemble` rebuilds exactly the batches the batch sampler grouped, in their
+order — so a bucketing batch sampler keeps its buckets whichever order samples complete in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data._utils.pin_memory import pin_memory
+
+from .pipeline import Failure
+
+Collate = Callable[[Any], Any]
+
+
+def finisher(collate_fn: Collate, pin_device: str | None) -> Collate:
+    """``collate_fn``, then pinning when pin_memory is on and an accelerator exists."""
+    if pin_device is None:
+        return collate_fn
+    return lambda data: pin_memory(collate_fn(data), pin_device)
+
+
+# -- batch-level tasks (no hooks) ----------------------------------------------------------------
+@dataclass(slots=True)
+class FetchTask:
+    """One batch to fetch; ``current`` is what is being read now, for error messages."""
+
+    index: Any  # a list of indices with auto-collation, else one index
+    current: Any = None
+
+    def describe(self) -> str:
+        if self.current is None:
+            return f"collate_fn of the batch of dataset indices {self.index}"
+        if isinstance(self.current, list):
+            return f"dataset indices {self.current}"
+        return f"dataset index {self.current}"
+
+
+def fetch_tasks(index_iter: Iterable[Any]) -> Iterator[FetchTask]:
+    return (FetchTask(index) for index in index_iter)
+
+
+def batch_fetcher(
+    dataset: Any, auto_collation: bool, finish: Collate
+) -> Callable[[FetchTask], Any]:
+    """torch's ``_MapDatasetFetcher.fetch``, recording which index is being read."""
+    getitems = getattr(dataset, "__getitems__", None)
+
+    def fetch(task: FetchTask) -> Any:
+        if not auto_collation:
+            task.current = task.index
+            data = dataset[task.index]
+        elif getitems:
+            task.current = task.index
+            data = getitems(task.index)
+        else:
+            data = []
+            for index in task.index:
+                task.current = index
+                data.append(dataset[index])
+        task.current = None
+        return finish(data)
+
+    return fetch
+
+
+# -- sample-level tasks (hooks) ------------------------------------------------------------------
+@dataclass(slots=True)
+class SampleTask:
+    """One sample of one batch; ``value`` is what the last stage made of it."""
+
+    index: Any
+    position: int
+    size: int  # samples in its batch; 0 marks an empty batch, which skips the sample stages
+    batch: Any = field(repr=False, default=None)  # the batch's indices, for error messages
+    value: Any = None
+
+    def describe(self) -> str:
+        return f"dataset index {self.index}"
+
+
+def sample_tasks(
+    index_iter: Iterable[Any], auto_collation: bool
+) -> Iterator[tuple[int, SampleTask]]:
+    """``(batch number, SampleTask)`` for every sample, batch after batch (a numbered source)."""
+    for number, batch in enumerate(index_iter):
+        if not auto_collation:
+            yield number, SampleTask(batch, 0, 1, batch)
+        elif len(batch) == 0:
+            yield number, SampleTask(None, 0, 0, batch)
+        else:
+            for position, index in enumerate(batch):
+                yield number, SampleTask(index, position, len(batch), batch)
+
+
+def sample_stage(fn: Callable[[Any], Any], arg: Callable[[SampleTask], Any]) -> Callable:
+    """Wrap a per-sample hook so it reads its argument from, and stores its result in, the task."""
+
+    def run(task: SampleTask) -> SampleTask:
+        if task.size:
+            task.value = fn(arg(task))
+        return task
+
+    return run
+
+
+def async_sample_stage(fn: Callable[[Any], Any], arg: Callable[[SampleTask], Any]) -> Callable:
+    async def run(task: SampleTask) -> SampleTask:
+        if task.size:
+            task.value = await fn(arg(task))
+        return task
+
+    return run
+
+
+def assemble(
+    items: Iterator[tuple[int, Any]], auto_collation: bool, finish: Collate
+) -> Iterator[tuple[int, Any]]:
+    """Group samples by batch seq and collate each batch once all its samples are in.
+
+    A batch with a failed sample becomes that sample's failure (the first by position), as a batch
+    whose ``__getitem__`` raised does in torch.
+    """
+    pending: dict[int, list[Any]] = {}
+    missing: dict[int, int] = {}
+    for seq, value in items:
+        task: SampleTask = value.item if isinstance(value, Failure) else value
+        if seq not in pending:
+            pending[seq] = [None] * max(task.size, 1)
+            missing[seq] = len(pending[seq])
+        pending[seq][task.position] = value
+        missing[seq] -= 1
+        if missing[seq] == 0:
+            del missing[seq]
+            yield seq, _collate(pending.pop(seq), auto_collation, finish)
+
+
+def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
+    for part in parts:
+        if isinstance(part, Failure):
+            return part
+    first: SampleTask = parts[0]
+    try:
+        if not auto_collation:
+            return finish(first.value)
+        return finish([task.value for task in parts if task.size])
+    except Exception:
+        return Failure.capture(
+            f"in stage 'collate' for the batch of dataset indices {first.batch}", first
+        )

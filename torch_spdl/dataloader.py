@@ -1,0 +1,279 @@
+"""``torch_spdl.DataLoader``: torch's DataLoader, with thread pools per stage instead of processes.
+
+torch's own ``__init__`` does the argument handling, so every argument keeps torch's meaning,
+validation errors, attributes, ``__len__`` and the attribute guard after init; we only add
+keyword-only extras and replace the iterator. The iterator subclasses torch's
+``_BaseDataLoaderIter`` for the parts that must stay identical (the one ``generator`` draw per
+iterator, pin_memory warnings, the IterableDataset length warning, ``len()``) and runs the work on a
+:class:`~torch_spdl.pipeline.Pipeline`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch.utils.data
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from .batching import (
+    FetchTask,
+    SampleTask,
+    assemble,
+    async_sample_stage,
+    batch_fetcher,
+    fetch_tasks,
+    finisher,
+    sample_stage,
+    sample_tasks,
+)
+from .hooks import Hooks, resolve_hooks
+from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .workers import worker_starter
+
+T_co = TypeVar("T_co", covariant=True)
+
+DEFAULT_IO_WORKERS = 16
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
+    """A drop-in for :class:`torch.utils.data.DataLoader` that loads with threads.
+
+    Every torch argument keeps its meaning. ``num_workers=0`` loads in the calling thread, like
+    torch; ``num_workers=N`` uses N worker *threads* (no processes, no pickling, no copy-on-read).
+    ``multiprocessing_context`` is validated as torch does and otherwise unused.
+
+    Keyword-only extras (each kept as a same-named attribute, defaults keep torch's behaviour):
+
+    - ``io_workers``: threads for the dataset's ``load`` hook (in-flight calls when it is
+      ``async def``). Ignored for datasets without hooks.
+    - ``load_fn`` / ``preprocess_fn``: split a dataset you cannot edit into an I/O stage and a CPU
+      stage (see :mod:`torch_spdl.hooks`).
+    """
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: torch.utils.data.Sampler | Iterable | None = None,
+        batch_sampler: torch.utils.data.Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        io_workers: int = DEFAULT_IO_WORKERS,
+        load_fn: Callable[[Any], Any] | None = None,
+        preprocess_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
+            raise ValueError(f"io_workers option should be a positive integer, got {io_workers!r}")
+        self.io_workers = io_workers
+        self.load_fn = load_fn
+        self.preprocess_fn = preprocess_fn
+        self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
+
+    def _get_iterator(self) -> _ThreadDataLoaderIter:
+        return _ThreadDataLoaderIter(self)
+
+    def check_worker_number_rationality(self) -> None:
+        """torch warns when worker *processes* outnumber CPUs; threads waiting on I/O or running
+        GIL-free code are cheap, so more threads than cores is a normal setting here."""
+
+
+class _ThreadDataLoaderIter(_BaseDataLoaderIter):
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        if self._num_workers == 0 and self._timeout != 0:
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        if self._num_workers > 0 and loader.prefetch_factor <= 0:
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
+        pin_device = self._pin_memory_device if self._pin_memory else None
+        self._finish = finisher(self._collate_fn, pin_device)
+        self._pipeline: Pipeline[Any] | None = None
+        if self._num_workers == 0:
+            self._fetch = self._inline_fetcher(loader._hooks)
+        else:
+            self._pipeline = self._start_pipeline(loader)
+
+    # -- num_workers=0: everything in the calling thread, as torch does --------------------------
+    def _inline_fetcher(self, hooks: Hooks | None) -> Callable[[Any], Any]:
+        if self._dataset_kind == _DatasetKind.Iterable or hooks is None:
+            fetcher = _DatasetKind.create_fetcher(
+                self._dataset_kind,
+                self._dataset,
+                self._auto_collation,
+                self._finish,
+                self._drop_last,
+            )
+            return fetcher.fetch
+        load = hooks.load
+        if hooks.load_is_async:
+            load = lambda index: asyncio.run(hooks.load(index))  # noqa: E731
+        preprocess = hooks.preprocess or (lambda raw: raw)
+
+        def fetch(index: Any) -> Any:
+            if not self._auto_collation:
+                return self._finish(preprocess(load(index)))
+            return self._finish([preprocess(load(i)) for i in index])
+
+        return fetch
+
+    # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
+    def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
+        in_flight = loader.prefetch_factor * self._num_workers
+        start = worker_starter(
+            self._dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+        )
+        name = f"torch_spdl.DataLoader-{id(self):x}"
+        options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
+        if self._dataset_kind == _DatasetKind.Iterable:
+            source = WorkerSource(
+                self._iterable_worker,
+                self._num_workers,
+                max_in_flight=loader.prefetch_factor,
+                name="fetch",
+                on_start=start,
+            )
+            return Pipeline(source, [], **options)
+        hooks = loader._hooks
+        if hooks is None:
+            self._make_source = lambda indices: fetch_tasks(indices)
+            stages: list[Stage | Stream] = [
+                Stage(
+                    "fetch",
+                    batch_fetcher(self._dataset, self._auto_collation, self._finish),
+                    self._num_workers,
+                    describe=FetchTask.describe,
+                    on_start=start,
+                )
+            ]
+            source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=in_flight)
+        else:
+            auto = self._auto_collation
+            self._make_source = lambda indices: sample_tasks(indices, auto)
+            stages = self._staged(loader, hooks, start)
+            source = SharedSource(
+                self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
+            )
+        return Pipeline(source, stages, **options)
+
+    def _staged(
+        self, loader: DataLoader, hooks: Hooks, start: Callable[[int], None]
+    ) -> list[Stage | Stream]:
+        """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
+        wrap = async_sample_stage if hooks.load_is_async else sample_stage
+        io_start = worker_starter(self._dataset, loader.io_workers, self._base_seed, None)
+        preprocess = hooks.preprocess or (lambda raw: raw)
+        auto, finish = self._auto_collation, self._finish
+        return [
+            Stage(
+                "load",
+                wrap(hooks.load, lambda task: task.index),
+                loader.io_workers,
+                describe=SampleTask.describe,
+                on_start=io_start,
+            ),
+            Stage(
+                "preprocess",
+                sample_stage(preprocess, lambda task: task.value),
+                self._num_workers,
+                describe=SampleTask.describe,
+                on_start=start,
+            ),
+            Stream("collate", lambda items: assemble(items, auto, finish)),
+        ]
+
+    def _iterable_worker(self, worker_id: int) -> Iterable[Any]:
+        """What torch's worker process does for an IterableDataset: its own iterator, batched."""
+        return _iterate_worker(
+            _DatasetKind.create_fetcher(
+                self._dataset_kind,
+                self._dataset,
+                self._auto_collation,
+                self._finish,
+                self._drop_last,
+            ),
+            self._batch_size_hint(),
+        )
+
+    def _batch_size_hint(self) -> Any:
+        sampler = self._index_sampler
+        return [None] * sampler.batch_size if self._auto_collation else None
+
+    # -- iteration --------------------------------------------------------------------------------
+    def _next_data(self) -> Any:
+        if self._pipeline is None:
+            return self._fetch(self._next_index())
+        try:
+            return self._pipeline.get(self._timeout or None)
+        except TimeoutError:
+            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+
+    def __next__(self) -> Any:
+        if self._pipeline is None:
+            return super().__next__()
+        try:
+            return super().__next__()
+        except StopIteration:
+            raise
+        except Exception as error:
+            # The traceback holds this frame, and with it the iterator and its threads, for as long
+            # as the caller keeps the exception. torch keeps the iterator usable after an error,
+            # so we do not close it; we only let a dropped iterator be collected.
+            traceback.clear_frames(error.__traceback__)
+            del self
+            raise
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if self._pipeline is not None and not first_iter:
+            if self._dataset_kind == _DatasetKind.Iterable:
+                self._pipeline.restart()
+            else:
+                self._pipeline.restart(self._make_source(self._sampler_iter))
+
+    def close(self) -> None:
+        """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+
+def _iterate_worker(fetcher: Any, index: Any) -> Iterable[Any]:
+    while True:
+        try:
+            yield fetcher.fetch(index)
+        except StopIteration:
+            return

@@ -1,0 +1,98 @@
+"""The staged-dataset protocol: ``load(index)`` for I/O, ``preprocess(raw)`` for CPU work.
+
+A dataset opts in by defining ``load``; ``preprocess`` is optional (identity when absent). The
+loader then runs ``load`` on an I/O pool (``io_workers`` threads, or an event loop when ``load`` is
+``async def``) and ``preprocess`` on ``num_workers`` threads, so waiting on storage never occupies a
+CPU worker. ``load_fn=`` / ``preprocess_fn=`` give the same split for a dataset you cannot edit
+(``preprocess_fn`` alone post-processes ``dataset[index]``). Hooks apply to map-style datasets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch.utils.data import Dataset, IterableDataset
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class StagedDataset(Dataset[T_co]):
+    """Base class for a dataset split into ``load`` (I/O) and ``preprocess`` (CPU).
+
+    ``__getitem__`` is ``preprocess(load(index))``, so the same class works unchanged with
+    ``torch.utils.data.DataLoader``; ``torch_spdl.DataLoader`` runs the two halves as two stages.
+    ``load`` may be ``async def``: ``__getitem__`` then runs it to completion itself.
+    """
+
+    def load(self, index: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement load(index)")
+
+    def preprocess(self, raw: Any) -> Any:
+        return raw
+
+    def __getitem__(self, index: Any) -> T_co:
+        raw = self.load(index)
+        if inspect.isawaitable(raw):
+            raw = asyncio.run(_await(raw))
+        return self.preprocess(raw)
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+@dataclass(frozen=True)
+class Hooks:
+    load: Callable[[Any], Any]
+    preprocess: Callable[[Any], Any] | None
+
+    @property
+    def load_is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.load)
+
+
+def check_hook(name: str, fn: Any, argument: str) -> None:
+    """A hook must be a callable that accepts exactly one positional argument."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be a callable taking one argument ({argument}), got {fn!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: trust them
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"{name} must accept exactly one positional argument ({argument}), "
+            f"but {getattr(fn, '__qualname__', fn)!r} has signature {signature}"
+        ) from None
+
+
+def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | None:
+    """The hooks to run for ``dataset``, or ``None`` when ``__getitem__`` is the single stage."""
+    if load_fn is not None:
+        check_hook("load_fn", load_fn, "the dataset index")
+    if preprocess_fn is not None:
+        check_hook("preprocess_fn", preprocess_fn, "the loaded item")
+    if isinstance(dataset, IterableDataset):
+        if load_fn is not None or preprocess_fn is not None:
+            raise ValueError(
+                "load_fn and preprocess_fn split a map-style dataset's __getitem__; "
+                f"an IterableDataset ({type(dataset).__name__}) has no index to load"
+            )
+        return None
+    load = load_fn
+    preprocess = preprocess_fn
+    if load is None and getattr(dataset, "load", None) is not None:
+        load = dataset.load
+        check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")
+        if preprocess is None and getattr(dataset, "preprocess", None) is not None:
+            preprocess = dataset.preprocess
+            check_hook(f"{type(dataset).__name__}.preprocess", preprocess, "the loaded item")
+    if load is None and preprocess is None:
+        return None
+    return Hooks(load=load if load is not None else dataset.__getitem__, preprocess=preprocess)

@@ -1,0 +1,156 @@
+"""Stop-aware blocking primitives that join the engine's threads.
+
+Every blocking call in the engine goes through :class:`Channel` or :class:`Slots`, so one
+:class:`StopSignal` can wake every waiting thread at once: that is what lets a pipeline shut down
+within a second on exhaustion, ``break``, garbage collection, errors or KeyboardInterrupt, without
+polling and without relying on daemon threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """Raised by a blocking call once the pipeline's stop signal is set."""
+
+
+class Closed(Exception):
+    """Raised by :meth:`Channel.get` when every producer is done and the channel is empty."""
+
+
+class StopSignal:
+    """One flag for a whole pipeline; setting it wakes every registered waiter."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._is_set = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def on_set(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the signal is set (at once if it already is)."""
+        with self._lock:
+            if not self._is_set:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def set(self) -> None:
+        with self._lock:
+            if self._is_set:
+                return
+            self._is_set = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+class Channel(Generic[T]):
+    """A bounded FIFO between threads, closed when its last producer is done.
+
+    It is ``queue.Queue`` with two additions the engine needs: every wait ends with
+    :class:`Stopped` when the stop signal is set, and end of stream is a state (``close`` once per
+    producer) rather than a sentinel item that each of N consumers would have to pass on.
+    """
+
+    def __init__(self, capacity: int, stop: StopSignal, producers: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self._capacity = capacity
+        self._items: deque[T] = deque()
+        self._producers = producers
+        self._stop = stop
+        lock = threading.Lock()
+        self._not_empty = threading.Condition(lock)
+        self._not_full = threading.Condition(lock)
+        stop.on_set(self._wake_all)
+
+    def _wake_all(self) -> None:
+        with self._not_empty:
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+
+    def put(self, item: T) -> None:
+        """Append ``item``, waiting while the channel is full."""
+        with self._not_full:
+            while len(self._items) >= self._capacity:
+                if self._stop.is_set():
+                    raise Stopped
+                self._not_full.wait()
+            if self._stop.is_set():
+                raise Stopped
+            self._items.append(item)
+            self._not_empty.notify()
+
+    def get(self, timeout: float | None = None) -> T:
+        """Pop the oldest item; :class:`Closed` at end of stream, ``TimeoutError`` on timeout."""
+        with self._not_empty:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._items:
+                if self._stop.is_set():
+                    raise Stopped
+                if self._producers == 0:
+                    raise Closed
+                if deadline is None:
+                    self._not_empty.wait()
+                else:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    self._not_empty.wait(remaining)
+            if self._stop.is_set():
+                raise Stopped
+            item = self._items.popleft()
+            self._not_full.notify()
+            return item
+
+    def close(self) -> None:
+        """Mark one producer as done; the last one ends the stream for every consumer."""
+        with self._not_empty:
+            self._producers -= 1
+            if self._producers <= 0:
+                self._not_empty.notify_all()
+
+
+class Slots:
+    """A counting semaphore whose ``acquire`` ends with :class:`Stopped` when the signal is set.
+
+    It bounds how many items are in flight between the source and the consumer, which is what
+    bounds memory however slow the consumer is (torch's ``prefetch_factor × num_workers``).
+    """
+
+    def __init__(self, count: int, stop: StopSignal) -> None:
+        if count < 1:
+            raise ValueError(f"the in-flight limit must be at least 1, got {count}")
+        self._free = count
+        self._stop = stop
+        self._cond = threading.Condition(threading.Lock())
+        stop.on_set(self._wake_all)
+
+    def _wake_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._free == 0:
+                if self._stop.is_set():
+                    raise Stopped
+                self._cond.wait()
+            if self._stop.is_set():
+                raise Stopped
+            self._free -= 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._free += 1
+            self._cond.notify()

@@ -1,0 +1,52 @@
+"""What travels between stages besides plain values: captured failures and end-of-epoch marks.
+
+Items travel as ``(seq, value)`` pairs. ``seq`` numbers are what ordering is restored from, so the
+engine never needs a lock to keep order; only the sink that was asked for order looks at them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from torch._utils import ExceptionWrapper
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception caught in a stage, carried to the consumer in its item's place.
+
+    It wraps torch's own ``ExceptionWrapper``, so the consumer gets the *same exception type* with
+    the stage, the item and the worker traceback in the message, exactly like torch's workers.
+    """
+
+    wrapper: ExceptionWrapper
+    item: Any = None  # the value the stage failed on, so later stages still know what it was
+
+    @classmethod
+    def capture(cls, where: str, item: Any = None) -> Failure:
+        """Wrap the exception being handled; call only inside an ``except`` block."""
+        return cls(ExceptionWrapper(where=where), item)
+
+    def reraise(self) -> NoReturn:
+        self.wrapper.reraise()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """A producer's last word for one epoch: it made ``count`` items and will make no seq
+    ``s >= next_seq`` with ``s ≡ next_seq (mod stride)``; ``stride`` is 1 for a shared source."""
+
+    epoch: int
+    count: int
+    next_seq: int
+    stride: int = 1
+
+    def retires(self, seq: int) -> bool:
+        return seq >= self.next_seq and (seq - self.next_seq) % self.stride == 0
+
+
+def is_control(value: object) -> bool:
+    """Failures and end marks pass through stages untouched; only plain values are processed."""
+    return isinstance(value, (Failure, End))

@@ -1,0 +1,250 @@
+"""The :class:`Pipeline`: a source, stages on their own threads, and an ordered or unordered end.
+
+Lifecycle in one place: threads start when the pipeline is built; one :class:`StopSignal` wakes
+every blocking call; :meth:`Pipeline.close` sets it and joins every thread. ``close`` runs on
+exhaustion, on an explicit call, on garbage collection of the pipeline (``weakref.finalize``) and
+at interpreter exit, so no path leaves a thread behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+from .channel import Channel, Slots, Stopped, StopSignal
+from .items import Failure
+from .ordering import EpochEnd, Sink
+from .sources import SharedReader, SharedSource, WorkerSource
+from .stages import AsyncStageRunner, Stage, Stream, map_loop, stream_loop, worker_source_loop
+
+T = TypeVar("T")
+
+JOIN_TIMEOUT = 5.0
+_names = itertools.count()
+_live: weakref.WeakSet[_Runtime] = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for runtime in list(_live):
+        runtime.close()
+
+
+threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
+
+
+class _Runtime:
+    """Threads, channels and the stop signal of one pipeline. It holds no reference to the
+    :class:`Pipeline` object, so dropping the pipeline lets the finaliser stop the threads."""
+
+    def __init__(
+        self,
+        source: SharedSource | WorkerSource,
+        stages: Sequence[Stage | Stream],
+        in_order: bool,
+        name: str,
+        buffer_size: int,
+    ) -> None:
+        self.stop = StopSignal()
+        self.buffer_size = buffer_size
+        self.name = name
+        self.failure: Failure | None = None
+        self.threads: list[threading.Thread] = []
+        self.source = source
+        self.reader: SharedReader | None = None
+        self.inboxes: list[Channel] = []
+        self.epoch = -1
+        upstream, producers, release = self._build_source(source, stages)
+        for stage in stages:
+            upstream, producers = self._build_stage(stage, upstream, producers)
+        self.sink = Sink(upstream, in_order=in_order, producers=producers, release=release)
+        _live.add(self)
+        for thread in self.threads:
+            thread.start()
+
+    # -- building ---------------------------------------------------------------------------
+    def _thread(self, target: Any, name: str, *args: Any) -> None:
+        self.threads.append(
+            threading.Thread(target=target, name=f"{self.name}:{name}", args=args, daemon=True)
+        )
+
+    def _channel(self, capacity: int, producers: int) -> Channel:
+        return Channel(max(self.buffer_size, capacity), self.stop, producers)
+
+    def _build_source(self, source: Any, stages: Sequence[Stage | Stream]) -> tuple[Any, int, Any]:
+        """Returns (upstream of the first stage, number of end marks per epoch, slot release)."""
+        if isinstance(source, SharedSource):
+            if not stages:
+                raise ValueError("a pipeline over a shared source needs at least one stage")
+            self.reader = SharedReader(source, self.stop, self.fatal)
+            return self.reader, 1, self.reader.release
+        n = source.workers
+        slots = [
+            Slots(source.max_in_flight, self.stop) if source.max_in_flight else None
+            for _ in range(n)
+        ]
+        out = self._channel(2 * n, producers=n)
+        for worker in range(n):
+            inbox = Channel(1, self.stop)
+            self.inboxes.append(inbox)
+            self._thread(
+                worker_source_loop,
+                f"{source.name}:{worker}",
+                source,
+                worker,
+                inbox,
+                out,
+                slots[worker],
+                self,
+            )
+
+        def release(seq: int) -> None:
+            worker_slots = slots[seq % n]
+            if worker_slots is not None:
+                worker_slots.release()
+
+        return out, n, release
+
+    def _build_stage(self, stage: Stage | Stream, upstream: Any, producers: int) -> tuple[Any, int]:
+        if isinstance(stage, Stream):
+            out = self._channel(2, producers=1)
+            self._thread(stream_loop, stage.name, stage, upstream, out, self)
+            return out, producers
+        if stage.is_async:
+            out = self._channel(2 * stage.concurrency, producers=1)
+            self.threads.extend(
+                AsyncStageRunner(stage, upstream, out, self).threads(f"{self.name}:{stage.name}")
+            )
+            return out, producers
+        out = self._channel(2 * stage.concurrency, producers=stage.concurrency)
+        for worker in range(stage.concurrency):
+            self._thread(map_loop, f"{stage.name}:{worker}", stage, worker, upstream, out, self)
+        return out, producers
+
+    # -- running ----------------------------------------------------------------------------
+    def start_epoch(self, iterable: Iterable[Any] | None) -> None:
+        if self.reader is not None:
+            if iterable is None:
+                iterable = self.source.iterable
+            self.epoch, base = self.reader.start_epoch(iterable)
+        else:
+            self.epoch += 1
+            # A multiple of the worker count (worker = seq % n) above every earlier epoch's seqs.
+            base = (self.epoch * len(self.inboxes)) << 40
+            for inbox in self.inboxes:
+                inbox.put((self.epoch, base))
+        self.sink.start_epoch(self.epoch, base)
+
+    def fatal(self, where: str) -> None:
+        """Record the exception being handled as the pipeline's fatal error and stop everything."""
+        if self.failure is None:
+            self.failure = Failure.capture(where)
+        self.stop.set()
+
+    def next(self, timeout: float | None) -> Any:
+        try:
+            return self.sink.next(timeout)
+        except Stopped:
+            if self.failure is not None:
+                return self.failure
+            raise
+
+    def close(self) -> None:
+        """Stop every thread and join it (a thread stuck in user code is given up on after
+        ``JOIN_TIMEOUT``; it is a daemon thread, so it cannot keep the interpreter alive)."""
+        self.stop.set()
+        if self.reader is not None:
+            self.reader.close()
+        current = threading.current_thread()
+        for thread in self.threads:
+            if thread is not current and thread.is_alive():
+                thread.join(JOIN_TIMEOUT)
+        _live.discard(self)
+
+
+class Pipeline(Generic[T]):
+    """Run ``stages`` over ``source`` on per-stage thread pools; iterate it for the results.
+
+    ``source`` is any iterable (pulled by the first stage's threads), a :class:`SharedSource`, or a
+    :class:`WorkerSource`. With ``in_order=True`` results come in source order; otherwise as they
+    complete. A stage exception is raised by ``next()`` as the same exception type, naming the stage
+    and item, at the failed item's place; the pipeline goes on after it, as torch's DataLoader does.
+
+    One pass over the source is one epoch: ``next()`` raises ``StopIteration`` at its end and,
+    unless ``persistent=True``, the threads are joined then. A persistent pipeline keeps its
+    threads; :meth:`restart` begins the next epoch. ``buffer_size`` is the capacity of each channel
+    between stages: large enough that threads hand over items in bursts rather than ping-pong on
+    every one (a SharedSource's ``max_in_flight`` is what bounds memory). Use it as a context
+    manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any] | SharedSource | WorkerSource,
+        stages: Sequence[Stage | Stream] = (),
+        *,
+        in_order: bool = True,
+        persistent: bool = False,
+        buffer_size: int = 64,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(source, (SharedSource, WorkerSource)):
+            source = SharedSource(source)
+        self.name = name or f"torch_spdl-{next(_names)}"
+        self.persistent = persistent
+        self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size)
+        self._finalizer = weakref.finalize(self, self._runtime.close)
+        self._runtime.start_epoch(None)
+        self._running = True
+
+    def __iter__(self) -> Pipeline[T]:
+        return self
+
+    def __next__(self) -> T:
+        return self.get()
+
+    def get(self, timeout: float | None = None) -> T:
+        """The next result; ``TimeoutError`` if none is ready within ``timeout`` seconds."""
+        if not self._running:
+            raise StopIteration
+        try:
+            value = self._runtime.next(timeout)
+        except EpochEnd:
+            self._running = False
+            if not self.persistent:
+                self.close()
+            raise StopIteration from None
+        except Stopped:
+            self._running = False
+            raise StopIteration from None
+        except TimeoutError:
+            raise
+        except BaseException:  # KeyboardInterrupt while waiting: nobody will consume any more
+            self.close()
+            raise
+        if isinstance(value, Failure):
+            if value is self._runtime.failure:
+                self._running = False
+                self.close()
+            value.reraise()
+        return value
+
+    def restart(self, source: Iterable[Any] | None = None) -> None:
+        """Begin a new epoch (over ``source`` if given), dropping what is left of the last one."""
+        if not self._finalizer.alive:
+            raise RuntimeError("restart() on a closed pipeline")
+        self._runtime.start_epoch(source)
+        self._running = True
+
+    def close(self) -> None:
+        """Stop and join every thread of this pipeline; safe to call more than once."""
+        self._running = False
+        self._finalizer()
+
+    def __enter__(self) -> Pipeline[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

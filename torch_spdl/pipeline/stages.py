@@ -1,0 +1,279 @@
+"""Stage specifications and the loops their worker threads run.
+
+A :class:`Stage` maps each value to one value on ``concurrency`` threads (or, for a coroutine
+function, on one event-loop thread with at most ``concurrency`` calls in flight). A :class:`Stream`
+turns the whole stream into another on one thread (batch assembly is one). Exceptions raised by a
+stage function become :class:`Failure` items in the failed item's place, so the consumer can raise
+them in order; failures and end marks are passed on untouched by every later stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .channel import Channel, Closed, Slots, Stopped, StopSignal
+from .items import End, Failure, is_control
+
+Item = tuple[int, Any]
+
+
+class Input(Protocol):
+    def get(self) -> Item: ...
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Apply ``fn`` to every value.
+
+    ``describe(value)`` names the value in error messages (e.g. ``"dataset index 7"``);
+    ``on_start(worker_id)`` runs once in each worker thread before its first item, and an
+    exception from it stops the pipeline and reaches the consumer.
+    """
+
+    name: str
+    fn: Callable[[Any], Any]
+    concurrency: int = 1
+    describe: Callable[[Any], str] | None = None
+    on_start: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(
+                f"stage {self.name!r}: concurrency must be >= 1, got {self.concurrency}"
+            )
+
+    @property
+    def is_async(self) -> bool:
+        call = None if inspect.isroutine(self.fn) else type(self.fn).__call__
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
+
+    def where(self, value: Any, worker: int | None = None) -> str:
+        text = f"in stage {self.name!r}"
+        if self.describe is not None:
+            text += f" for {self.describe(value)}"
+        if worker is not None:
+            text += f" (worker thread {worker})"
+        return text
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Turn the stream of ``(seq, value)`` items into another, on one thread.
+
+    ``fn`` receives an iterator over the data items (failures included, end marks excluded: those
+    are forwarded for it) and yields ``(seq, value)`` items. An exception it raises is fatal.
+    """
+
+    name: str
+    fn: Callable[[Iterator[Item]], Iterator[Item]]
+    concurrency = 1
+
+
+class Runtime(Protocol):
+    """What a worker loop needs from the pipeline that runs it."""
+
+    stop: StopSignal
+
+    def fatal(self, where: str) -> None: ...
+
+
+def run_on_start(stage: Stage | Any, worker: int, runtime: Runtime) -> bool:
+    """Run the per-thread initialiser; on failure record it as fatal and tell the loop to quit."""
+    if stage.on_start is None:
+        return True
+    try:
+        stage.on_start(worker)
+    except Exception:
+        runtime.fatal(f"in the start of stage {stage.name!r} (worker thread {worker})")
+        return False
+    return True
+
+
+def map_loop(stage: Stage, worker: int, upstream: Input, out: Channel, runtime: Runtime) -> None:
+    """One worker thread of a synchronous :class:`Stage`."""
+    try:
+        if not run_on_start(stage, worker, runtime):
+            return
+        fn = stage.fn
+        while True:
+            seq, value = upstream.get()
+            if not is_control(value):
+                try:
+                    value = fn(value)
+                except Exception:
+                    value = Failure.capture(stage.where(value, worker), value)
+            out.put((seq, value))
+    except (Closed, Stopped):
+        pass
+    finally:
+        out.close()
+
+
+def stream_loop(stage: Stream, upstream: Input, out: Channel, runtime: Runtime) -> None:
+    """The one thread of a :class:`Stream` stage."""
+
+    def data() -> Iterator[Item]:
+        while True:
+            try:
+                seq, value = upstream.get()
+            except Closed:
+                return
+            if isinstance(value, End):
+                out.put((seq, value))
+            else:
+                yield seq, value
+
+    try:
+        for item in stage.fn(data()):
+            out.put(item)
+    except Stopped:
+        pass
+    except Exception:
+        runtime.fatal(f"in stage {stage.name!r}")
+    finally:
+        out.close()
+
+
+class AsyncStageRunner:
+    """A coroutine :class:`Stage`: one event-loop thread, at most ``concurrency`` calls in flight.
+
+    A feeder thread takes items from upstream (a blocking call that must not stall the loop) and
+    schedules one task per item; the loop thread runs them. The stop signal cancels every task.
+    """
+
+    def __init__(self, stage: Stage, upstream: Input, out: Channel, runtime: Runtime) -> None:
+        self.stage = stage
+        self.upstream = upstream
+        self.out = out
+        self.runtime = runtime
+        self.loop = asyncio.new_event_loop()
+        self.slots = Slots(stage.concurrency, runtime.stop)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.fed_all = False
+        runtime.stop.on_set(lambda: self._call_in_loop(self._cancel_all))
+
+    def threads(self, name: str) -> list[threading.Thread]:
+        return [
+            threading.Thread(target=self._run_loop, name=f"{name}:loop", daemon=True),
+            threading.Thread(target=self._feed, name=f"{name}:feeder", daemon=True),
+        ]
+
+    def _call_in_loop(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            self.loop.call_soon_threadsafe(callback)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            if run_on_start(self.stage, 0, self.runtime):
+                self.loop.run_forever()
+        finally:
+            self._cancel_all()
+            pending = [t for t in self.tasks if not t.done()]
+            if pending:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+            self.out.close()
+
+    def _feed(self) -> None:
+        try:
+            while True:
+                self.slots.acquire()
+                item = self.upstream.get()
+                self._call_in_loop(lambda item=item: self._spawn(item))
+        except (Closed, Stopped):
+            pass
+        finally:
+            self._call_in_loop(self._fed_all)
+
+    def _spawn(self, item: Item) -> None:
+        task = self.loop.create_task(self._handle(*item))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    async def _handle(self, seq: int, value: Any) -> None:
+        if not is_control(value):
+            try:
+                value = await self.stage.fn(value)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                value = Failure.capture(self.stage.where(value), value)
+        self.out.put((seq, value))
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
+        if not task.cancelled() and isinstance(task.exception(), Stopped):
+            self.runtime.stop.set()
+        self._maybe_finish()
+
+    def _fed_all(self) -> None:
+        self.fed_all = True
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.fed_all and not self.tasks:
+            self.loop.stop()
+
+    def _cancel_all(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.runtime.stop.is_set():
+            self.fed_all = True
+            self._maybe_finish()
+
+
+def worker_source_loop(
+    source: Any,
+    worker: int,
+    inbox: Channel,
+    out: Channel,
+    slots: Slots | None,
+    runtime: Runtime,
+) -> None:
+    """One thread of a :class:`~.sources.WorkerSource`: one epoch per ``(epoch, base)`` received.
+
+    Epoch bases are multiples of the worker count, so ``seq % workers`` is always the worker."""
+    try:
+        if not run_on_start(source, worker, runtime):
+            return
+        while True:
+            epoch, base = inbox.get()
+            seq = base + worker
+            count = 0
+            for value in _guarded(source, worker):
+                if slots is not None:
+                    slots.acquire()
+                out.put((seq, value))
+                seq += source.workers
+                count += 1
+            out.put((seq, End(epoch, count, seq, source.workers)))
+    except (Closed, Stopped):
+        pass
+    finally:
+        out.close()
+
+
+def _guarded(source: Any, worker: int) -> Iterator[Any]:
+    """Iterate ``source.fn(worker)``; an exception becomes a Failure item, and iteration goes on
+    as torch's workers do (a Python generator simply ends after raising)."""
+    where = f"in stage {source.name!r} (worker thread {worker})"
+    try:
+        iterator = iter(source.fn(worker))
+    except Exception:
+        yield Failure.capture(where)
+        return
+    while True:
+        try:
+            yield next(iterator)
+        except StopIteration:
+            return
+        except Exception:
+            yield Failure.capture(where)

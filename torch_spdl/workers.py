@@ -1,0 +1,86 @@
+"""Worker identity for threads: ``get_worker_info()``, ``worker_init_fn`` and per-worker RNGs.
+
+torch's ``get_worker_info()`` returns a module global, which is right for worker processes and
+wrong for threads (every thread would see the same value, the main thread included).
+IterableDatasets shard on it and ``worker_init_fn`` uses it, so for a drop-in it must answer
+per thread. We make the function itself thread-aware, in place, so that every reference to
+it — including
+``from torch.utils.data import get_worker_info`` done before torch_spdl was imported — sees a
+thread's own :class:`WorkerInfo` in our worker threads and torch's usual value everywhere else.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils import worker as _torch_worker
+from torch.utils.data._utils.worker import _RNG, WorkerInfo
+
+_thread_state = threading.local()
+
+_THREAD_AWARE_SOURCE = """
+def get_worker_info():
+    info = getattr(_torch_spdl_thread_state, "info", None)
+    return _worker_info if info is None else info
+"""
+
+
+def _make_get_worker_info_thread_aware() -> None:
+    """Swap the code of torch's ``get_worker_info`` for one that reads a thread-local first.
+
+    The new code runs with the torch module's globals, so it still returns torch's
+    ``_worker_info`` in worker processes and ``None`` in the main thread.
+    """
+    target = _torch_worker.get_worker_info
+    if getattr(_torch_worker, "_torch_spdl_thread_state", None) is _thread_state:
+        return
+    _torch_worker._torch_spdl_thread_state = _thread_state
+    namespace: dict[str, Any] = {}
+    exec(_THREAD_AWARE_SOURCE, vars(_torch_worker), namespace)
+    target.__code__ = namespace["get_worker_info"].__code__
+
+
+_make_get_worker_info_thread_aware()
+
+
+def thread_rng(seed: int) -> _RNG:
+    """Per-thread generators (torch ≥ 2.13's ``WorkerInfo.rng``): threads share the global RNGs,
+    so a worker that wants reproducible randomness draws from these instead."""
+    return _RNG(
+        random_generator=random.Random(seed),
+        torch_generator=torch.Generator().manual_seed(seed),
+        numpy_generator=np.random.default_rng(seed),
+    )
+
+
+def worker_starter(
+    dataset: Any,
+    num_workers: int,
+    base_seed: int,
+    worker_init_fn: Callable[[int], None] | None,
+) -> Callable[[int], None]:
+    """The ``on_start`` of a worker pool: publish the thread's WorkerInfo, then ``worker_init_fn``.
+
+    Seeds follow torch (``base_seed + worker_id``), but the global RNGs are *not* reseeded: they
+    are shared by all threads, so reseeding them per worker would only reset everyone's stream.
+    """
+
+    def start(worker_id: int) -> None:
+        seed = base_seed + worker_id
+        _thread_state.info = WorkerInfo(
+            id=worker_id,
+            num_workers=num_workers,
+            seed=seed,
+            dataset=dataset,
+            rng=thread_rng(seed),
+            worker_method="thread",
+        )
+        if worker_init_fn is not None:
+            worker_init_fn(worker_id)
+
+    return start
