@@ -161,7 +161,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
         if self._dataset_kind == _DatasetKind.Iterable:
             source = WorkerSource(
-                self._iterable_worker,
+                self._iterable_worker(),
                 self._num_workers,
                 max_in_flight=loader.prefetch_factor,
                 name="fetch",
@@ -185,17 +185,26 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             auto = self._auto_collation
             self._make_source = lambda indices: sample_tasks(indices, auto)
             stages = self._staged(loader, hooks, start)
+            # enough batches in flight to keep every I/O thread busy, however small the batches
+            in_flight = max(in_flight, -(-loader.io_workers // self._samples_per_batch(loader)))
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
             )
         return Pipeline(source, stages, **options)
+
+    def _samples_per_batch(self, loader: DataLoader) -> int:
+        if not self._auto_collation:
+            return 1
+        return max(1, getattr(loader.batch_sampler, "batch_size", None) or 1)
 
     def _staged(
         self, loader: DataLoader, hooks: Hooks, start: Callable[[int], None]
     ) -> list[Stage | Stream]:
         """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
-        io_start = worker_starter(self._dataset, loader.io_workers, self._base_seed, None)
+        # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
+        io_seed = self._base_seed + self._num_workers
+        io_start = worker_starter(self._dataset, loader.io_workers, io_seed, None)
         preprocess = hooks.preprocess or (lambda raw: raw)
         auto, finish = self._auto_collation, self._finish
         return [
@@ -216,22 +225,25 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             Stream("collate", lambda items: assemble(items, auto, finish)),
         ]
 
-    def _iterable_worker(self, worker_id: int) -> Iterable[Any]:
-        """What torch's worker process does for an IterableDataset: its own iterator, batched."""
-        return _iterate_worker(
-            _DatasetKind.create_fetcher(
-                self._dataset_kind,
-                self._dataset,
-                self._auto_collation,
-                self._finish,
-                self._drop_last,
-            ),
-            self._batch_size_hint(),
-        )
+    def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
+        """What torch's worker process does for an IterableDataset: its own iterator, batched.
 
-    def _batch_size_hint(self) -> Any:
-        sampler = self._index_sampler
-        return [None] * sampler.batch_size if self._auto_collation else None
+        A closure over plain values, not a bound method: the worker threads must not hold the
+        iterator, or dropping it could never stop them.
+        """
+        kind, dataset, auto = self._dataset_kind, self._dataset, self._auto_collation
+        finish, drop_last = self._finish, self._drop_last
+        index = [None] * self._index_sampler.batch_size if auto else None
+
+        def batches(worker_id: int) -> Iterable[Any]:
+            fetcher = _DatasetKind.create_fetcher(kind, dataset, auto, finish, drop_last)
+            while True:
+                try:
+                    yield fetcher.fetch(index)
+                except StopIteration:
+                    return
+
+        return batches
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_data(self) -> Any:
@@ -269,11 +281,3 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
         if self._pipeline is not None:
             self._pipeline.close()
-
-
-def _iterate_worker(fetcher: Any, index: Any) -> Iterable[Any]:
-    while True:
-        try:
-            yield fetcher.fetch(index)
-        except StopIteration:
-            return

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Dataset, IterableDataset
 
+from .pipeline.stages import is_async_callable
+
 T_co = TypeVar("T_co", covariant=True)
 
 
@@ -52,7 +54,7 @@ class Hooks:
 
     @property
     def load_is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.load)
+        return is_async_callable(self.load)
 
 
 def check_hook(name: str, fn: Any, argument: str) -> None:

@@ -91,6 +91,10 @@ class Channel(Generic[T]):
             self._items.append(item)
             self._not_empty.notify()
 
+    def empty(self) -> bool:
+        """Whether nothing is waiting; a hint only, as another thread may put or get at once."""
+        return not self._items
+
     def get(self, timeout: float | None = None) -> T:
         """Pop the oldest item; :class:`Closed` at end of stream, ``TimeoutError`` on timeout."""
         with self._not_empty:
@@ -124,14 +128,19 @@ class Channel(Generic[T]):
 class Slots:
     """A counting semaphore whose ``acquire`` ends with :class:`Stopped` when the signal is set.
 
-    It bounds how many items are in flight between the source and the consumer, which is what
+    It bounds how many items are in flight between a producer and the consumer, which is what
     bounds memory however slow the consumer is (torch's ``prefetch_factor × num_workers``).
+    Slots belong to an epoch: :meth:`reset` starts a new one with the full count, releases of
+    older seqs are ignored, and a producer still waiting for the old epoch is told to give up.
     """
 
     def __init__(self, count: int, stop: StopSignal) -> None:
         if count < 1:
             raise ValueError(f"the in-flight limit must be at least 1, got {count}")
+        self._count = count
         self._free = count
+        self._epoch = 0
+        self._base = 0
         self._stop = stop
         self._cond = threading.Condition(threading.Lock())
         stop.on_set(self._wake_all)
@@ -140,17 +149,29 @@ class Slots:
         with self._cond:
             self._cond.notify_all()
 
-    def acquire(self) -> None:
+    def reset(self, epoch: int, base: int) -> None:
+        """Start ``epoch``, whose seqs begin at ``base``, with every slot free."""
         with self._cond:
-            while self._free == 0:
+            self._epoch, self._base, self._free = epoch, base, self._count
+            self._cond.notify_all()
+
+    def acquire(self, epoch: int = 0) -> bool:
+        """Take a slot for ``epoch``; False if another epoch started while waiting."""
+        with self._cond:
+            while self._free == 0 and self._epoch == epoch:
                 if self._stop.is_set():
                     raise Stopped
                 self._cond.wait()
             if self._stop.is_set():
                 raise Stopped
+            if self._epoch != epoch:
+                return False
             self._free -= 1
+            return True
 
-    def release(self) -> None:
+    def release(self, seq: int | None = None) -> None:
+        """Give a slot back; a ``seq`` from before the current epoch's base gives nothing back."""
         with self._cond:
-            self._free += 1
-            self._cond.notify()
+            if seq is None or seq >= self._base:
+                self._free += 1
+                self._cond.notify()

@@ -55,11 +55,17 @@ class _Runtime:
         self.source = source
         self.reader: SharedReader | None = None
         self.inboxes: list[Channel] = []
+        self.worker_slots: list[Slots | None] = []
         self.epoch = -1
+        self._starting = 0  # threads that have not finished their on_start yet
+        self._start_lock = threading.Lock()
+        self._all_started = threading.Event()
         upstream, producers, release = self._build_source(source, stages)
         for stage in stages:
             upstream, producers = self._build_stage(stage, upstream, producers)
         self.sink = Sink(upstream, in_order=in_order, producers=producers, release=release)
+        if self._starting == 0:
+            self._all_started.set()
         _live.add(self)
         for thread in self.threads:
             thread.start()
@@ -78,6 +84,10 @@ class _Runtime:
         if isinstance(source, SharedSource):
             if not stages:
                 raise ValueError("a pipeline over a shared source needs at least one stage")
+            if source.numbered and not any(isinstance(stage, Stream) for stage in stages):
+                raise ValueError(
+                    "a numbered source gives several items one seq: a Stream stage must merge them"
+                )
             self.reader = SharedReader(source, self.stop, self.fatal)
             return self.reader, 1, self.reader.release
         n = source.workers
@@ -85,7 +95,9 @@ class _Runtime:
             Slots(source.max_in_flight, self.stop) if source.max_in_flight else None
             for _ in range(n)
         ]
+        self.worker_slots = slots
         out = self._channel(2 * n, producers=n)
+        self._starting += n
         for worker in range(n):
             inbox = Channel(1, self.stop)
             self.inboxes.append(inbox)
@@ -103,7 +115,7 @@ class _Runtime:
         def release(seq: int) -> None:
             worker_slots = slots[seq % n]
             if worker_slots is not None:
-                worker_slots.release()
+                worker_slots.release(seq)
 
         return out, n, release
 
@@ -113,12 +125,14 @@ class _Runtime:
             self._thread(stream_loop, stage.name, stage, upstream, out, self)
             return out, producers
         if stage.is_async:
+            self._starting += 1
             out = self._channel(2 * stage.concurrency, producers=1)
             self.threads.extend(
                 AsyncStageRunner(stage, upstream, out, self).threads(f"{self.name}:{stage.name}")
             )
             return out, producers
         out = self._channel(2 * stage.concurrency, producers=stage.concurrency)
+        self._starting += stage.concurrency
         for worker in range(stage.concurrency):
             self._thread(map_loop, f"{stage.name}:{worker}", stage, worker, upstream, out, self)
         return out, producers
@@ -133,9 +147,19 @@ class _Runtime:
             self.epoch += 1
             # A multiple of the worker count (worker = seq % n) above every earlier epoch's seqs.
             base = (self.epoch * len(self.inboxes)) << 40
+            for slots in self.worker_slots:
+                if slots is not None:
+                    slots.reset(self.epoch, base)
             for inbox in self.inboxes:
                 inbox.put((self.epoch, base))
         self.sink.start_epoch(self.epoch, base)
+
+    def started(self) -> None:
+        """A worker thread has finished its on_start (or failed it)."""
+        with self._start_lock:
+            self._starting -= 1
+            if self._starting == 0:
+                self._all_started.set()
 
     def fatal(self, where: str) -> None:
         """Record the exception being handled as the pipeline's fatal error and stop everything."""
@@ -146,6 +170,11 @@ class _Runtime:
     def next(self, timeout: float | None) -> Any:
         try:
             return self.sink.next(timeout)
+        except EpochEnd:
+            self._all_started.wait()
+            if self.failure is not None:
+                return self.failure
+            raise
         except Stopped:
             if self.failure is not None:
                 return self.failure
@@ -191,7 +220,8 @@ class Pipeline(Generic[T]):
         name: str | None = None,
     ) -> None:
         if not isinstance(source, (SharedSource, WorkerSource)):
-            source = SharedSource(source)
+            # bound what a slow item can make the reorder buffer hold behind it
+            source = SharedSource(source, max_in_flight=buffer_size * (len(stages) + 1))
         self.name = name or f"torch_spdl-{next(_names)}"
         self.persistent = persistent
         self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size)

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .channel import Closed, Slots, Stopped, StopSignal
+from .channel import Closed, Stopped, StopSignal
 from .items import End
 
 
@@ -61,16 +61,25 @@ class WorkerSource:
 
 
 class SharedReader:
-    """The running state of a :class:`SharedSource`: lock, epoch, seq counter, in-flight slots."""
+    """The running state of a :class:`SharedSource`: lock, epoch, seq counter, in-flight budget.
+
+    The in-flight budget is counted here, under the same condition as the iterator, so a thread
+    waiting for budget releases the lock (``restart`` never waits behind it), and a new epoch
+    starts with the full budget: seqs of an abandoned epoch no longer count against it.
+    """
 
     def __init__(self, source: SharedSource, stop: StopSignal, fatal: Callable[[str], None]):
         self._source = source
         self._stop = stop
         self._fatal = fatal
-        self._cond = threading.Condition(threading.Lock())
-        self._slots = Slots(source.max_in_flight, stop) if source.max_in_flight else None
+        # Re-entrant: setting the stop signal from inside get() (a failing sampler) calls back
+        # into _wake_all on this same thread.
+        self._cond = threading.Condition(threading.RLock())
+        self._limit = source.max_in_flight
+        self._free = self._limit
         self._iterator: Iterator[Any] | None = None
         self._closed = False
+        self._busy = False  # a thread is taking an item (or waiting for budget for it)
         self._epoch = -1
         self._next_seq = 0  # first seq not yet handed out; never reset, so epochs never collide
         self._base = 0
@@ -86,6 +95,7 @@ class SharedReader:
         with self._cond:
             self._epoch += 1
             self._base = self._next_seq
+            self._free = self._limit
             self._last_local = object()
             self._iterator = iter(iterable)
             self._cond.notify_all()
@@ -97,45 +107,77 @@ class SharedReader:
             self._cond.notify_all()
 
     def release(self, seq: int) -> None:
-        if self._slots is not None:
-            self._slots.release()
+        """The consumer is done with ``seq``: one more may enter (unless ``seq`` is stale)."""
+        if self._limit is None:
+            return
+        with self._cond:
+            if seq >= self._base:
+                self._free += 1
+                self._cond.notify()
+
+    def _wait_for_turn(self) -> None:
+        """Wait until an epoch is running and no other thread is inside the source.
+
+        One thread at a time: a thread waiting for budget holds an item it has already taken
+        from the iterator, and the next item must not be numbered before it.
+        """
+        while self._iterator is None or self._busy:
+            if self._stop.is_set():
+                raise Stopped
+            if self._closed and self._iterator is None:
+                raise Closed
+            self._cond.wait()
 
     def get(self) -> tuple[int, Any]:
         """Next ``(seq, value)``; ``(seq, End)`` once per epoch; blocks between epochs."""
         with self._cond:
-            while self._iterator is None:
+            while True:
+                self._wait_for_turn()
                 if self._stop.is_set():
                     raise Stopped
-                if self._closed:
-                    raise Closed
-                self._cond.wait()
+                self._busy = True
+                try:
+                    numbered = self._take()
+                finally:
+                    self._busy = False
+                    self._cond.notify_all()
+                if numbered is not None:
+                    return numbered
+
+    def _take(self) -> tuple[int, Any] | None:
+        """One item from the iterator, numbered; None if it belonged to an abandoned epoch."""
+        epoch = self._epoch
+        try:
+            item = next(self._iterator)
+        except StopIteration:
+            return self._end_epoch()
+        except Exception:
+            self._iterator = None
+            self._fatal("in the source (sampler) of the pipeline")
+            raise Stopped from None
+        local, value = item if self._source.numbered else (None, item)
+        if self._source.numbered and local == self._last_local:
+            return self._next_seq - 1, value
+        if not self._wait_for_budget(epoch):
+            return None
+        self._last_local = local
+        self._next_seq += 1
+        return self._next_seq - 1, value
+
+    def _wait_for_budget(self, epoch: int) -> bool:
+        """Take one in-flight slot; False if the epoch changed meanwhile."""
+        if self._limit is None:
+            return True
+        while self._free == 0 and self._epoch == epoch:
             if self._stop.is_set():
                 raise Stopped
-            try:
-                item = next(self._iterator)
-            except StopIteration:
-                return self._end_epoch()
-            except Exception:
-                self._iterator = None
-                self._fatal("in the source (sampler) of the pipeline")
-                raise Stopped from None
-            return self._number(item)
+            self._cond.wait()
+        if self._epoch != epoch:
+            return False
+        self._free -= 1
+        return True
 
     def _end_epoch(self) -> tuple[int, Any]:
         self._iterator = None
         count = self._next_seq - self._base
         return self._next_seq, End(self._epoch, count, self._next_seq)
-
-    def _number(self, item: Any) -> tuple[int, Any]:
-        if not self._source.numbered:
-            local, value = None, item
-            new = True
-        else:
-            local, value = item
-            new = local != self._last_local
-        if new:
-            if self._slots is not None:
-                self._slots.acquire()
-            self._last_local = local
-            self._next_seq += 1
-        return self._next_seq - 1, value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,13 @@ Item = tuple[int, Any]
 
 class Input(Protocol):
     def get(self) -> Item: ...
+
+
+def is_async_callable(fn: Any) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    if inspect.isroutine(fn):
+        return inspect.iscoroutinefunction(fn)
+    return inspect.iscoroutinefunction(type(fn).__call__) if callable(fn) else False
 
 
 @dataclass(frozen=True)
@@ -50,8 +58,7 @@ class Stage:
 
     @property
     def is_async(self) -> bool:
-        call = None if inspect.isroutine(self.fn) else type(self.fn).__call__
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
+        return is_async_callable(self.fn)
 
     def where(self, value: Any, worker: int | None = None) -> str:
         text = f"in stage {self.name!r}"
@@ -67,7 +74,9 @@ class Stream:
     """Turn the stream of ``(seq, value)`` items into another, on one thread.
 
     ``fn`` receives an iterator over the data items (failures included, end marks excluded: those
-    are forwarded for it) and yields ``(seq, value)`` items. An exception it raises is fatal.
+    are forwarded for it) and yields ``(seq, value)`` items: exactly one for each seq it receives,
+    with that seq (it merges the items of a numbered source that share one). An exception it
+    raises is fatal.
     """
 
     name: str
@@ -82,16 +91,23 @@ class Runtime(Protocol):
 
     def fatal(self, where: str) -> None: ...
 
+    def started(self) -> None: ...
+
 
 def run_on_start(stage: Stage | Any, worker: int, runtime: Runtime) -> bool:
-    """Run the per-thread initialiser; on failure record it as fatal and tell the loop to quit."""
-    if stage.on_start is None:
-        return True
+    """Run the per-thread initialiser; on failure record it as fatal and tell the loop to quit.
+
+    Either way the runtime is told this thread has started: an epoch does not end before every
+    thread has, so an initialiser's error cannot be lost behind other threads finishing the work.
+    """
     try:
-        stage.on_start(worker)
+        if stage.on_start is not None:
+            stage.on_start(worker)
     except Exception:
         runtime.fatal(f"in the start of stage {stage.name!r} (worker thread {worker})")
         return False
+    finally:
+        runtime.started()
     return True
 
 
@@ -246,15 +262,15 @@ def worker_source_loop(
             return
         while True:
             epoch, base = inbox.get()
-            seq = base + worker
-            count = 0
+            seqs = itertools.count(base + worker, source.workers)
             for value in _guarded(source, worker):
-                if slots is not None:
-                    slots.acquire()
-                out.put((seq, value))
-                seq += source.workers
-                count += 1
-            out.put((seq, End(epoch, count, seq, source.workers)))
+                if not inbox.empty() or (slots is not None and not slots.acquire(epoch)):
+                    break  # a new epoch began: abandon this one, as torch resets its workers
+                out.put((next(seqs), value))
+            else:
+                seq = next(seqs)
+                count = (seq - base - worker) // source.workers
+                out.put((seq, End(epoch, count, seq, source.workers)))
     except (Closed, Stopped):
         pass
     finally:

@@ -1,0 +1,220 @@
+"""The engine on its own: ordering, async stages, errors, worker sources, epochs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from torch_spdl.pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+
+
+def test_in_order_restores_source_order_despite_out_of_order_completion():
+    gate = threading.Event()
+
+    def slow_first(x):
+        if x == 0:
+            assert gate.wait(10)
+        return x * 10
+
+    pipe = Pipeline(range(8), [Stage("slow", slow_first, concurrency=4)])
+    results = []
+    # item 0 is blocked until item 5 has been computed by another thread
+    seen_five = threading.Event()
+
+    def release_when_five_done(x):
+        if x == 50:
+            seen_five.set()
+            gate.set()
+        return x
+
+    pipe.close()
+    pipe = Pipeline(
+        range(8),
+        [Stage("slow", slow_first, concurrency=4), Stage("watch", release_when_five_done)],
+    )
+    results = list(pipe)
+    assert seen_five.is_set()
+    assert results == [x * 10 for x in range(8)]
+
+
+def test_completion_order_lets_later_items_overtake():
+    gate = threading.Event()
+
+    def fn(x):
+        if x == 0:
+            assert gate.wait(10)
+        return x
+
+    pipe = Pipeline(range(6), [Stage("s", fn, concurrency=3)], in_order=False)
+    first = [next(pipe) for _ in range(5)]
+    gate.set()
+    rest = list(pipe)
+    assert 0 not in first
+    assert sorted(first + rest) == list(range(6))
+
+
+def test_multi_stage_with_async_stage_keeps_every_item_once():
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+
+    async def fetch(x):
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        await asyncio.sleep(0.002 * (x % 4))
+        with lock:
+            in_flight -= 1
+        return x + 1
+
+    stages = [Stage("fetch", fetch, concurrency=5), Stage("double", lambda x: 2 * x, 2)]
+    assert list(Pipeline(range(50), stages)) == [2 * (x + 1) for x in range(50)]
+    assert 1 < peak <= 5
+
+
+def test_async_stage_runs_on_one_event_loop_thread():
+    threads = set()
+
+    async def fn(x):
+        threads.add(threading.get_ident())
+        return x
+
+    assert list(Pipeline(range(20), [Stage("a", fn, concurrency=8)])) == list(range(20))
+    assert len(threads) == 1
+
+
+class CustomError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_stage_error_keeps_type_names_stage_and_item_and_iteration_goes_on(is_async):
+    def fn(x):
+        if x == 3:
+            raise CustomError("bad item")
+        return x
+
+    async def afn(x):
+        return fn(x)
+
+    stage = Stage("parse", afn if is_async else fn, 2, describe=lambda x: f"record {x}")
+    pipe = Pipeline(range(6), [stage, Stage("after", lambda x: x)])
+    got = [next(pipe) for _ in range(3)]
+    with pytest.raises(CustomError) as info:
+        next(pipe)
+    message = str(info.value)
+    assert "in stage 'parse' for record 3" in message
+    assert "bad item" in message and "Traceback" in message
+    assert got + list(pipe) == [0, 1, 2, 4, 5]
+
+
+def test_key_error_message_is_readable():
+    pipe = Pipeline(["a"], [Stage("lookup", lambda k: {}[k])])
+    with pytest.raises(KeyError, match="in stage 'lookup'"):
+        next(pipe)
+    pipe.close()
+
+
+def test_source_error_is_raised_and_stops_the_pipeline():
+    def source():
+        yield 1
+        raise ValueError("sampler broke")
+
+    pipe = Pipeline(source(), [Stage("s", lambda x: x)])
+    with pytest.raises(ValueError, match="sampler broke"):
+        list(pipe)
+
+
+def test_on_start_error_reaches_consumer():
+    def on_start(worker):
+        raise RuntimeError(f"init failed in {worker}")
+
+    pipe = Pipeline(range(10), [Stage("s", lambda x: x, 2, on_start=on_start)])
+    with pytest.raises(RuntimeError, match="init failed in"):
+        list(pipe)
+
+
+def test_stream_stage_merges_the_items_of_a_numbered_source():
+    def pairs(items):
+        parts = {}
+        for seq, value in items:
+            parts.setdefault(seq, []).append(value)
+            if len(parts[seq]) == 2:
+                yield seq, tuple(sorted(parts.pop(seq)))
+
+    source = SharedSource(((i // 2, i) for i in range(6)), numbered=True, max_in_flight=2)
+    stages = [Stage("id", lambda x: x, 3), Stream("pair", pairs)]
+    assert list(Pipeline(source, stages)) == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_numbered_source_without_a_merging_stream_is_rejected():
+    with pytest.raises(ValueError, match="Stream"):
+        Pipeline(SharedSource([(0, 1)], numbered=True), [Stage("id", lambda x: x)])
+
+
+def test_worker_source_interleaves_round_robin_and_skips_exhausted_workers():
+    def worker(w):
+        return iter([(w, k) for k in range(w + 1)])
+
+    out = list(Pipeline(WorkerSource(worker, 3, max_in_flight=1)))
+    assert out == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (2, 2)]
+
+
+def test_worker_source_completion_order_yields_everything():
+    def worker(w):
+        return iter(range(w * 100, w * 100 + 5))
+
+    out = list(Pipeline(WorkerSource(worker, 4, max_in_flight=2), in_order=False))
+    assert sorted(out) == sorted(w * 100 + k for w in range(4) for k in range(5))
+
+
+def test_max_in_flight_bounds_items_between_source_and_consumer():
+    produced = []
+    pipe = Pipeline(
+        SharedSource(iter(range(100)), max_in_flight=3), [Stage("s", produced.append, 2)]
+    )
+    next(pipe)
+    # wait until the workers are blocked: nothing more than the in-flight budget is produced
+    assert _eventually(lambda: len(produced) >= 3)
+    assert len(produced) <= 4  # 3 in flight after one was consumed: 1 consumed + 3
+    pipe.close()
+
+
+def test_persistent_pipeline_runs_several_epochs_on_the_same_threads():
+    idents = set()
+
+    def fn(x):
+        idents.add(threading.get_ident())
+        return x
+
+    pipe = Pipeline(range(5), [Stage("s", fn, 2)], persistent=True)
+    assert list(pipe) == list(range(5))
+    pipe.restart(range(10, 13))
+    assert list(pipe) == [10, 11, 12]
+    pipe.restart(range(3))
+    assert next(pipe) == 0
+    pipe.restart(range(20, 22))  # abandon mid-epoch: left-overs are dropped
+    assert list(pipe) == [20, 21]
+    assert len(idents) <= 2
+    pipe.close()
+
+
+def test_engine_overhead_path_handles_many_items():
+    n = 20000
+    assert sum(Pipeline(range(n), [Stage("noop", lambda x: x)])) == n * (n - 1) // 2
+
+
+def _eventually(predicate, within: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()

@@ -1,0 +1,331 @@
+"""Every way an iteration can end leaves no thread behind, and errors keep their type.
+
+Paths: exhaustion, ``break``, closing a consumer generator, ``del``, garbage collection of a
+cycle, an exception in a stage, an exception or KeyboardInterrupt in the consumer, a timeout.
+Each test ends with the ``no_leak`` check: ``threading.enumerate()`` back to its start within 1 s.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from torch_spdl import DataLoader, StagedDataset
+from torch_spdl.pipeline import Pipeline, Stage
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+
+
+class Numbers(Dataset):
+    def __init__(self, n: int = 40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return torch.tensor(index)
+
+
+class StagedNumbers(StagedDataset):
+    def __init__(self, n: int = 40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def load(self, index):
+        return index
+
+    def preprocess(self, raw):
+        return torch.tensor(raw)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(1000))
+
+
+def loaders():
+    return {
+        "fetch": lambda: DataLoader(Numbers(), batch_size=2, num_workers=2),
+        "hooks": lambda: DataLoader(StagedNumbers(), batch_size=2, num_workers=2, io_workers=3),
+        "iterable": lambda: DataLoader(Stream(), batch_size=2, num_workers=2),
+        "unordered": lambda: DataLoader(Numbers(), batch_size=2, num_workers=2, in_order=False),
+    }
+
+
+LOADERS = pytest.mark.parametrize("make", loaders().values(), ids=loaders().keys())
+
+
+@LOADERS
+def test_exhaustion(make):
+    assert len(list(make())) > 0
+
+
+@LOADERS
+def test_break(make):
+    for _ in make():
+        break
+
+
+@LOADERS
+def test_consumer_generator_closed(make):
+    def batches():
+        yield from make()
+
+    gen = batches()
+    next(gen)
+    gen.close()
+
+
+@LOADERS
+def test_del_iterator(make):
+    it = iter(make())
+    next(it)
+    del it
+
+
+@LOADERS
+def test_garbage_collected_cycle(make):
+    it = iter(make())
+    next(it)
+    holder = [it]
+    holder.append(holder)
+    del it, holder
+    gc.collect()
+
+
+@LOADERS
+def test_exception_in_consumer(make):
+    with pytest.raises(ZeroDivisionError):
+        for _ in make():
+            raise ZeroDivisionError
+
+
+@LOADERS
+def test_keyboard_interrupt_in_consumer(make):
+    with pytest.raises(KeyboardInterrupt):
+        for _ in make():
+            raise KeyboardInterrupt
+
+
+class InterruptsMain(Dataset):
+    """Sends SIGINT to the main thread while it waits for a batch (a real Ctrl-C)."""
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, index):
+        if index == 9:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return index
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_ctrl_c_while_waiting(hooks):
+    preprocess = (lambda raw: raw) if hooks else None
+    loader = DataLoader(InterruptsMain(), batch_size=1, num_workers=2, preprocess_fn=preprocess)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+
+
+def test_ctrl_c_while_waiting_on_a_bare_pipeline():
+    def fn(x):
+        if x == 9:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return x
+
+    with pytest.raises(KeyboardInterrupt), Pipeline(range(100), [Stage("s", fn, 2)]) as pipe:
+        for _ in pipe:
+            pass
+
+
+class Fails(StagedDataset):
+    """Raises ``error`` in ``stage`` for index 7."""
+
+    def __init__(self, stage: str, error: type[Exception]):
+        self.stage, self.error = stage, error
+
+    def __len__(self):
+        return 12
+
+    def load(self, index):
+        if self.stage == "load" and index == 7:
+            raise self.error("broken file")
+        return index
+
+    def preprocess(self, raw):
+        if self.stage == "preprocess" and raw == 7:
+            raise self.error("bad pixels")
+        return raw
+
+    def __getitem__(self, index):  # the no-hooks view of the same data
+        return self.preprocess(self.load(index))
+
+
+class Plain(Dataset):
+    """The same ``__getitem__`` with the hooks hidden."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+
+@pytest.mark.parametrize("error", [KeyError, ValueError, OSError])
+@pytest.mark.parametrize(
+    "stage,expected",
+    [("load", "load"), ("preprocess", "preprocess"), ("plain", "fetch")],
+)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_stage_error_same_type_names_stage_and_index(stage, expected, error, in_order):
+    dataset = Fails("load" if stage == "plain" else stage, error)
+    if stage == "plain":
+        dataset = Plain(dataset)
+    loader = DataLoader(dataset, batch_size=3, num_workers=2, in_order=in_order)
+    seen = []
+    with pytest.raises(error) as info:
+        for batch in loader:
+            seen.extend(batch.tolist())
+    message = str(info.value)
+    assert f"in stage '{expected}' for dataset index 7" in message
+    assert "worker thread" in message and "Traceback" in message
+    if in_order:
+        assert seen == [0, 1, 2, 3, 4, 5]  # torch's order: the failing batch raises in its place
+
+
+def test_iteration_goes_on_after_an_error_like_torch():
+    loader = DataLoader(Fails("load", ValueError), batch_size=3, num_workers=2)
+    torch_loader = torch.utils.data.DataLoader(Fails("load", ValueError), batch_size=3)
+
+    def drain(it):
+        out = []
+        while True:
+            try:
+                out.append(next(it).tolist())
+            except StopIteration:
+                return out
+            except ValueError:
+                out.append("error")
+
+    assert drain(iter(loader)) == drain(iter(torch_loader))
+
+
+def test_collate_error_names_the_collate_stage():
+    def collate(batch):
+        if 4 in batch:
+            raise TypeError("cannot collate")
+        return batch
+
+    loader = DataLoader(StagedNumbers(8), batch_size=4, num_workers=2, collate_fn=collate)
+    with pytest.raises(TypeError, match="in stage 'collate' for the batch of dataset indices"):
+        list(loader)
+
+
+def test_iterable_error_names_worker():
+    class Broken(IterableDataset):
+        def __iter__(self):
+            yield 1
+            raise RuntimeError("stream broke")
+
+    with pytest.raises(RuntimeError, match=r"in stage 'fetch' \(worker thread \d\)"):
+        list(DataLoader(Broken(), num_workers=2))
+
+
+class Blocks(Dataset):
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 3:
+            assert self.gate.wait(10)
+        return index
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_timeout_raises_torch_error_instead_of_hanging(in_order):
+    gate = threading.Event()
+    loader = DataLoader(Blocks(gate), num_workers=2, timeout=0.2, in_order=in_order)
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.2 seconds$"):
+        for _ in range(8):
+            next(it)
+    gate.set()
+    del it
+
+
+def test_worker_init_error_is_never_lost():
+    def init(worker_id):
+        if worker_id == 1:
+            raise OSError("no GPU for this worker")
+
+    for _ in range(30):  # the other worker could finish the epoch alone: it must not hide this
+        with pytest.raises(OSError, match="no GPU for this worker"):
+            list(DataLoader(Numbers(4), num_workers=2, worker_init_fn=init))
+
+
+def test_two_iterators_of_one_loader_are_independent():
+    loader = DataLoader(Numbers(10), batch_size=3, num_workers=2)
+    first, second = iter(loader), iter(loader)
+    a = [b.tolist() for b in first]
+    b = [b.tolist() for b in second]
+    assert a == b == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+class Endless(IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k = 0
+        while True:
+            yield (info.id, k)
+            k += 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(Numbers(30), batch_size=4, num_workers=2, persistent_workers=True),
+        lambda: DataLoader(
+            StagedNumbers(30), batch_size=4, num_workers=2, persistent_workers=True, io_workers=3
+        ),
+    ],
+    ids=["fetch", "hooks"],
+)
+def test_persistent_workers_keep_threads_and_survive_break(make):
+    loader = make()
+    expected = [list(range(i, min(i + 4, 30))) for i in range(0, 30, 4)]
+    assert [b.tolist() for b in loader] == expected
+    threads = set(threading.enumerate())
+    for _ in range(5):  # abandon epochs mid-batch: no in-flight budget may leak
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+    assert [b.tolist() for b in loader] == expected
+    assert set(threading.enumerate()) == threads
+    del loader
+
+
+def test_persistent_iterable_restarts_workers_each_epoch():
+    loader = DataLoader(Endless(), batch_size=2, num_workers=2, persistent_workers=True)
+    for _ in range(3):
+        batches = []
+        for batch in loader:
+            batches.append([column.tolist() for column in batch])
+            if len(batches) == 4:
+                break
+        assert batches[-1] == [[1, 1], [2, 3]]  # each epoch starts every worker from scratch
+    del loader
