@@ -150,8 +150,11 @@ class _Runtime:
             for slots in self.worker_slots:
                 if slots is not None:
                     slots.reset(self.epoch, base)
-            for inbox in self.inboxes:
-                inbox.put((self.epoch, base))
+            try:
+                for inbox in self.inboxes:
+                    inbox.put((self.epoch, base))
+            except Stopped:
+                pass  # a worker failed to start: the consumer's next get() raises its error
         self.sink.start_epoch(self.epoch, base)
 
     def started(self) -> None:
