@@ -329,3 +329,18 @@ def test_persistent_iterable_restarts_workers_each_epoch():
                 break
         assert batches[-1] == [[1, 1], [2, 3]]  # each epoch starts every worker from scratch
     del loader
+
+
+def test_timeout_covers_a_worker_init_fn_that_never_finishes_starting():
+    gate = threading.Event()
+
+    def init(worker_id):
+        if worker_id == 1:
+            assert gate.wait(10)
+
+    loader = DataLoader(Numbers(4), num_workers=2, timeout=0.3, worker_init_fn=init)
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match="timed out after 0.3 seconds"):
+        list(it)
+    gate.set()
+    del it

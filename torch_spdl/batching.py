@@ -119,26 +119,42 @@ def async_sample_stage(fn: Callable[[Any], Any], arg: Callable[[SampleTask], Any
     return run
 
 
-def assemble(
-    items: Iterator[tuple[int, Any]], auto_collation: bool, finish: Collate
-) -> Iterator[tuple[int, Any]]:
+class Assembler:
     """Group samples by batch seq and collate each batch once all its samples are in.
 
     A batch with a failed sample becomes that sample's failure (the first by position), as a batch
-    whose ``__getitem__`` raised does in torch.
+    whose ``__getitem__`` raised does in torch. :meth:`restart` (a new epoch, e.g. after ``break``
+    with persistent workers) drops the partly assembled batches of the abandoned one.
     """
-    pending: dict[int, list[Any]] = {}
-    missing: dict[int, int] = {}
-    for seq, value in items:
-        task: SampleTask = value.item if isinstance(value, Failure) else value
-        if seq not in pending:
-            pending[seq] = [None] * max(task.size, 1)
-            missing[seq] = len(pending[seq])
-        pending[seq][task.position] = value
-        missing[seq] -= 1
-        if missing[seq] == 0:
-            del missing[seq]
-            yield seq, _collate(pending.pop(seq), auto_collation, finish)
+
+    def __init__(self, auto_collation: bool, finish: Collate) -> None:
+        self.auto_collation = auto_collation
+        self.finish = finish
+        self._floor = 0  # seqs below it belong to abandoned epochs; set from the consumer thread
+
+    def restart(self, base: int) -> None:
+        self._floor = base
+
+    def __call__(self, items: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+        pending: dict[int, list[Any]] = {}
+        missing: dict[int, int] = {}
+        floor = 0
+        for seq, value in items:
+            if self._floor != floor:
+                floor = self._floor
+                for stale in [s for s in pending if s < floor]:
+                    del pending[stale], missing[stale]
+            if seq < floor:
+                continue  # a sample of an abandoned epoch
+            task: SampleTask = value.item if isinstance(value, Failure) else value
+            if seq not in pending:
+                pending[seq] = [None] * max(task.size, 1)
+                missing[seq] = len(pending[seq])
+            pending[seq][task.position] = value
+            missing[seq] -= 1
+            if missing[seq] == 0:
+                del missing[seq]
+                yield seq, _collate(pending.pop(seq), self.auto_collation, self.finish)
 
 
 def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:

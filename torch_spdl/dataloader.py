@@ -19,9 +19,9 @@ import torch.utils.data
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from .batching import (
+    Assembler,
     FetchTask,
     SampleTask,
-    assemble,
     async_sample_stage,
     batch_fetcher,
     fetch_tasks,
@@ -31,6 +31,7 @@ from .batching import (
 )
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .thread_safety import thread_safe_view
 from .workers import worker_starter
 
 T_co = TypeVar("T_co", covariant=True)
@@ -126,6 +127,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         if self._num_workers == 0:
             self._fetch = self._inline_fetcher(loader._hooks)
         else:
+            self._dataset = thread_safe_view(self._dataset)
             self._pipeline = self._start_pipeline(loader)
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
@@ -155,7 +157,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
         start = worker_starter(
-            self._dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+            loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
         )
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
@@ -204,9 +206,9 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
         io_seed = self._base_seed + self._num_workers
-        io_start = worker_starter(self._dataset, loader.io_workers, io_seed, None)
+        io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
         preprocess = hooks.preprocess or (lambda raw: raw)
-        auto, finish = self._auto_collation, self._finish
+        assembler = Assembler(self._auto_collation, self._finish)
         return [
             Stage(
                 "load",
@@ -222,7 +224,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                 describe=SampleTask.describe,
                 on_start=start,
             ),
-            Stream("collate", lambda items: assemble(items, auto, finish)),
+            Stream("collate", assembler, on_restart=assembler.restart),
         ]
 
     def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:

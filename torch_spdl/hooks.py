@@ -1,6 +1,8 @@
 """The staged-dataset protocol: ``load(index)`` for I/O, ``preprocess(raw)`` for CPU work.
 
-A dataset opts in by defining ``load``; ``preprocess`` is optional (identity when absent). The
+A dataset opts in by subclassing :class:`StagedDataset` (whose ``preprocess`` is the identity unless
+overridden) or by defining both ``load`` and ``preprocess``: a ``load`` method alone is too common
+a name (a helper that reads a file, say) to take as a request to bypass ``__getitem__``. The
 loader then runs ``load`` on an I/O pool (``io_workers`` threads, or an event loop when ``load`` is
 ``async def``) and ``preprocess`` on ``num_workers`` threads, so waiting on storage never occupies a
 CPU worker. ``load_fn=`` / ``preprocess_fn=`` give the same split for a dataset you cannot edit
@@ -74,6 +76,14 @@ def check_hook(name: str, fn: Any, argument: str) -> None:
         ) from None
 
 
+def _is_staged(dataset: Any) -> bool:
+    if isinstance(dataset, StagedDataset):
+        return True
+    return getattr(dataset, "load", None) is not None and (
+        getattr(dataset, "preprocess", None) is not None
+    )
+
+
 def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | None:
     """The hooks to run for ``dataset``, or ``None`` when ``__getitem__`` is the single stage."""
     if load_fn is not None:
@@ -89,10 +99,10 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
         return None
     load = load_fn
     preprocess = preprocess_fn
-    if load is None and getattr(dataset, "load", None) is not None:
+    if load is None and _is_staged(dataset):
         load = dataset.load
         check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")
-        if preprocess is None and getattr(dataset, "preprocess", None) is not None:
+        if preprocess is None:
             preprocess = dataset.preprocess
             check_hook(f"{type(dataset).__name__}.preprocess", preprocess, "the loaded item")
     if load is None and preprocess is None:

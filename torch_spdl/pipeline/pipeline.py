@@ -56,6 +56,7 @@ class _Runtime:
         self.reader: SharedReader | None = None
         self.inboxes: list[Channel] = []
         self.worker_slots: list[Slots | None] = []
+        self.streams = [stage for stage in stages if isinstance(stage, Stream)]
         self.epoch = -1
         self._starting = 0  # threads that have not finished their on_start yet
         self._start_lock = threading.Lock()
@@ -155,6 +156,9 @@ class _Runtime:
                     inbox.put((self.epoch, base))
             except Stopped:
                 pass  # a worker failed to start: the consumer's next get() raises its error
+        for stage in self.streams:
+            if stage.on_restart is not None:
+                stage.on_restart(base)
         self.sink.start_epoch(self.epoch, base)
 
     def started(self) -> None:
@@ -174,7 +178,8 @@ class _Runtime:
         try:
             return self.sink.next(timeout)
         except EpochEnd:
-            self._all_started.wait()
+            if not self._all_started.wait(timeout):
+                raise TimeoutError from None  # a worker is still in its on_start
             if self.failure is not None:
                 return self.failure
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import threading
@@ -30,9 +31,11 @@ class Input(Protocol):
 
 def is_async_callable(fn: Any) -> bool:
     """A coroutine function, or an object whose ``__call__`` is one."""
-    if inspect.isroutine(fn):
-        return inspect.iscoroutinefunction(fn)
-    return inspect.iscoroutinefunction(type(fn).__call__) if callable(fn) else False
+    if inspect.iscoroutinefunction(fn):  # also sees through functools.partial
+        return True
+    if inspect.isroutine(fn) or isinstance(fn, functools.partial) or not callable(fn):
+        return False
+    return inspect.iscoroutinefunction(type(fn).__call__)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class Stream:
 
     name: str
     fn: Callable[[Iterator[Item]], Iterator[Item]]
+    on_restart: Callable[[int], None] | None = None
+    """Called from the consumer's thread when a new epoch starts at seq ``base``: whatever ``fn``
+    still holds of lower seqs belongs to an abandoned epoch and should be dropped."""
     concurrency = 1
 
 

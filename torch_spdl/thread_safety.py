@@ -1,0 +1,54 @@
+"""Datasets that are correct in worker processes but not in threads, made safe for threads.
+
+A worker process has its own copy of every global; threads share them. A dataset whose
+``__getitem__`` reseeds torch's *global* generator to make each sample reproducible works in
+processes and races in threads: two threads reseed and draw from one generator, so samples come
+out wrong and the caller's RNG state is disturbed. torchvision's ``FakeData`` does exactly this.
+For such datasets the loader reads through a view that draws the same numbers from a private
+generator (a fresh ``torch.Generator`` seeded like the global one yields the same stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torchvision import datasets, transforms
+
+
+class ThreadSafeFakeData(Dataset):
+    """``torchvision.datasets.FakeData`` with its per-index seeding on a private generator.
+
+    Same samples as ``FakeData.__getitem__`` (torchvision 0.2x), without touching torch's global
+    RNG; the user's random transforms still draw from it, as they would in ``FakeData`` itself.
+    """
+
+    def __init__(self, fake: datasets.FakeData) -> None:
+        self.fake = fake
+
+    def __len__(self) -> int:
+        return len(self.fake)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        fake = self.fake
+        if index >= len(fake):
+            raise IndexError(f"{type(fake).__name__} index out of range")
+        generator = torch.Generator().manual_seed(index + fake.random_offset)
+        img = torch.randn(*fake.image_size, generator=generator)
+        target = torch.randint(
+            0, fake.num_classes, size=(1,), dtype=torch.long, generator=generator
+        )[0]
+        img = transforms.ToPILImage()(img)
+        if fake.transform is not None:
+            img = fake.transform(img)
+        if fake.target_transform is not None:
+            target = fake.target_transform(target)
+        return img, target.item()
+
+
+def thread_safe_view(dataset: Any) -> Any:
+    """The dataset to read from worker threads: ``dataset`` itself unless it is a known case."""
+    if type(dataset) is datasets.FakeData:
+        return ThreadSafeFakeData(dataset)
+    return dataset
