@@ -344,3 +344,12 @@ def test_timeout_covers_a_worker_init_fn_that_never_finishes_starting():
         list(it)
     gate.set()
     del it
+
+
+def test_closed_persistent_iterator_starts_again_on_the_next_epoch():
+    loader = DataLoader(Numbers(6), batch_size=2, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    del it, loader

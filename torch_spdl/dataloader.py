@@ -273,11 +273,14 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        if self._pipeline is not None and not first_iter:
-            if self._dataset_kind == _DatasetKind.Iterable:
-                self._pipeline.restart()
-            else:
-                self._pipeline.restart(self._make_source(self._sampler_iter))
+        if self._pipeline is None or first_iter:
+            return
+        if self._pipeline.closed:  # close() was called: start the threads again
+            self._pipeline = self._start_pipeline(loader)
+        elif self._dataset_kind == _DatasetKind.Iterable:
+            self._pipeline.restart()
+        else:
+            self._pipeline.restart(self._make_source(self._sampler_iter))
 
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""

@@ -271,10 +271,14 @@ class Pipeline(Generic[T]):
 
     def restart(self, source: Iterable[Any] | None = None) -> None:
         """Begin a new epoch (over ``source`` if given), dropping what is left of the last one."""
-        if not self._finalizer.alive:
+        if self.closed:
             raise RuntimeError("restart() on a closed pipeline")
         self._runtime.start_epoch(source)
         self._running = True
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def close(self) -> None:
         """Stop and join every thread of this pipeline; safe to call more than once."""
