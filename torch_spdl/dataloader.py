@@ -172,7 +172,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             return Pipeline(source, [], **options)
         hooks = loader._hooks
         if hooks is None:
-            self._make_source = lambda indices: fetch_tasks(indices)
+            self._make_source = fetch_tasks
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",

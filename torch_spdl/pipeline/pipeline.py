@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Generic, TypeVar
@@ -190,14 +191,15 @@ class _Runtime:
 
     def close(self) -> None:
         """Stop every thread and join it (a thread stuck in user code is given up on after
-        ``JOIN_TIMEOUT``; it is a daemon thread, so it cannot keep the interpreter alive)."""
+        ``JOIN_TIMEOUT`` in all; it is a daemon thread, so it cannot keep the interpreter alive)."""
         self.stop.set()
         if self.reader is not None:
             self.reader.close()
         current = threading.current_thread()
+        deadline = time.monotonic() + JOIN_TIMEOUT
         for thread in self.threads:
             if thread is not current and thread.is_alive():
-                thread.join(JOIN_TIMEOUT)
+                thread.join(max(0.0, deadline - time.monotonic()))
         _live.discard(self)
 
 
