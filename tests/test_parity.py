@@ -964,11 +964,12 @@ def test_torchvision_fakedata(num_workers):
         assert_image_batches_equal(got, want)
 
 
-def test_torchvision_fakedata_four_worker_threads():
+@pytest.mark.parametrize("extras", [{}, {"preprocess_fn": lambda sample: sample}])
+def test_torchvision_fakedata_four_worker_threads(extras):
     """FakeData reseeds torch's global RNG per sample: threads must not share that."""
     want = list(tud.DataLoader(fake_data(), batch_size=6))
     for _ in range(100):  # a race: try many epochs, any mismatch fails
-        got = list(torch_spdl.DataLoader(fake_data(), batch_size=6, num_workers=4))
+        got = list(torch_spdl.DataLoader(fake_data(), batch_size=6, num_workers=4, **extras))
         assert_image_batches_equal(got, want)
 
 

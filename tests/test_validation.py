@@ -391,6 +391,20 @@ def test_dataset_hook_without_its_argument_is_a_type_error(dataset, name):
     tud.DataLoader(dataset)  # torch does not look at these methods
 
 
+def test_staged_dataset_without_preprocess_uses_the_identity():
+    class LoadOnly(torch_spdl.StagedDataset):
+        preprocess = None
+
+        def __len__(self):
+            return 6
+
+        def load(self, index):
+            return index * 2
+
+    got = [b.tolist() for b in torch_spdl.DataLoader(LoadOnly(), batch_size=4, num_workers=2)]
+    assert got == [[0, 2, 4, 6], [8, 10]]
+
+
 def test_a_load_method_alone_is_not_taken_as_a_hook():
     """Only StagedDataset, or load *and* preprocess, opt in; __getitem__ stays the stage."""
     ours = [b.tolist() for b in torch_spdl.DataLoader(NoIndexLoad(), batch_size=4, num_workers=2)]

@@ -141,10 +141,10 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                 self._drop_last,
             )
             return fetcher.fetch
-        load = hooks.load
+        load = hooks.load_from(self._dataset)
         if hooks.load_is_async:
             load = lambda index: asyncio.run(hooks.load(index))  # noqa: E731
-        preprocess = hooks.preprocess or (lambda raw: raw)
+        preprocess = hooks.preprocess
 
         def fetch(index: Any) -> Any:
             if not self._auto_collation:
@@ -207,19 +207,18 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
         io_seed = self._base_seed + self._num_workers
         io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
-        preprocess = hooks.preprocess or (lambda raw: raw)
         assembler = Assembler(self._auto_collation, self._finish)
         return [
             Stage(
                 "load",
-                wrap(hooks.load, lambda task: task.index),
+                wrap(hooks.load_from(self._dataset), lambda task: task.index),
                 loader.io_workers,
                 describe=SampleTask.describe,
                 on_start=io_start,
             ),
             Stage(
                 "preprocess",
-                sample_stage(preprocess, lambda task: task.value),
+                sample_stage(hooks.preprocess, lambda task: task.value),
                 self._num_workers,
                 describe=SampleTask.describe,
                 on_start=start,

@@ -51,12 +51,18 @@ async def _await(awaitable: Any) -> Any:
 
 @dataclass(frozen=True)
 class Hooks:
-    load: Callable[[Any], Any]
-    preprocess: Callable[[Any], Any] | None
+    """The two stages. ``load=None`` means ``__getitem__`` of the dataset actually read, which
+    may be a thread-safe view of the user's (see :mod:`torch_spdl.thread_safety`)."""
+
+    load: Callable[[Any], Any] | None
+    preprocess: Callable[[Any], Any]
 
     @property
     def load_is_async(self) -> bool:
-        return is_async_callable(self.load)
+        return self.load is not None and is_async_callable(self.load)
+
+    def load_from(self, dataset: Any) -> Callable[[Any], Any]:
+        return self.load if self.load is not None else dataset.__getitem__
 
 
 def check_hook(name: str, fn: Any, argument: str) -> None:
@@ -102,9 +108,13 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
     if load is None and _is_staged(dataset):
         load = dataset.load
         check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")
-        if preprocess is None:
+        if preprocess is None and getattr(dataset, "preprocess", None) is not None:
             preprocess = dataset.preprocess
             check_hook(f"{type(dataset).__name__}.preprocess", preprocess, "the loaded item")
     if load is None and preprocess is None:
         return None
-    return Hooks(load=load if load is not None else dataset.__getitem__, preprocess=preprocess)
+    return Hooks(load=load, preprocess=preprocess or _identity)
+
+
+def _identity(raw: Any) -> Any:
+    return raw
