@@ -31,6 +31,7 @@ from .batching import (
 )
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
 from .thread_safety import thread_safe_view
 from .workers import worker_starter
 
@@ -52,6 +53,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       ``async def``). Ignored for datasets without hooks.
     - ``load_fn`` / ``preprocess_fn``: split a dataset you cannot edit into an I/O stage and a CPU
       stage (see :mod:`torch_spdl.hooks`).
+    - ``distributed``: when a process group of more than one process is up, shard the data per
+      rank and reshuffle every epoch by itself (see :mod:`torch_spdl.sampling`); ``False`` keeps
+      torch's behaviour of loading everything on every rank.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         io_workers: int = DEFAULT_IO_WORKERS,
         load_fn: Callable[[Any], Any] | None = None,
         preprocess_fn: Callable[[Any], Any] | None = None,
+        distributed: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -102,7 +107,60 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.io_workers = io_workers
         self.load_fn = load_fn
         self.preprocess_fn = preprocess_fn
+        self.distributed = distributed
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
+        # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
+        # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
+        self._shards_itself = distributed and sampler is None and batch_sampler is None
+        self._shard()
+
+    # -- distributed training ---------------------------------------------------------------------
+    def _shard(self) -> None:
+        """Swap torch's default sampler for a per-rank one once a process group is up.
+
+        Called at construction and again by ``len()``, ``iter()`` and ``set_epoch``, so a process
+        group started after the loader was built is picked up before the first pass. The swap goes
+        around torch's guard on ``sampler`` and ``batch_sampler``: it replaces the sampler torch
+        built itself with its sharded equivalent, which is what the guard protects.
+        """
+        if not self._shards_itself or self._dataset_kind == _DatasetKind.Iterable:
+            return
+        ranks = world()
+        if ranks is None or not is_default_sampler(self.sampler):
+            return
+        sampler, batch_sampler = distributed_samplers(self, *ranks)
+        object.__setattr__(self, "sampler", sampler)
+        object.__setattr__(self, "batch_sampler", batch_sampler)
+
+    def _rank_split(self) -> tuple[int, int] | None:
+        """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks."""
+        if self.distributed and self._dataset_kind == _DatasetKind.Iterable:
+            return world()
+        return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does."""
+        self._shard()
+        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        self._shard()
+        if isinstance(self.sampler, AutoEpochSampler):
+            self.sampler.begin_pass()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._shard()
+        ranks = self._rank_split()
+        if ranks is None:
+            return super().__len__()
+        samples = -(-len(self.dataset) // ranks[1])  # this rank's share of the stream, at most
+        self._IterableDataset_len_called = samples
+        if self.batch_size is None:
+            return samples
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def _get_iterator(self) -> _ThreadDataLoaderIter:
         return _ThreadDataLoaderIter(self)
@@ -121,6 +179,9 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             raise AssertionError(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
+        ranks = loader._rank_split()
+        if ranks is not None:
+            self._dataset = RankShard(self._dataset, *ranks)
         pin_device = self._pin_memory_device if self._pin_memory else None
         self._finish = finisher(self._collate_fn, pin_device)
         self._pipeline: Pipeline[Any] | None = None

@@ -1,0 +1,150 @@
+"""Scenarios run inside each rank of a 2-process gloo group (see test_distributed.py).
+
+Each scenario returns plain data (lists of index batches, sampler facts); the test process
+compares ranks with each other and with torch's own DistributedSampler.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    SubsetRandomSampler,
+    get_worker_info,
+)
+
+from torch_spdl import DataLoader, StagedDataset
+
+
+class Indices(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class StagedIndices(StagedDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, index: int) -> int:
+        return index
+
+
+class Stream(IterableDataset):
+    """0..n-1, split across worker threads by get_worker_info(), as torch's docs show."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(worker, self.n, workers))
+
+
+def epochs(loader, count: int = 3) -> list[list[list[int]]]:
+    return [[torch.as_tensor(b).tolist() for b in loader] for _ in range(count)]
+
+
+def facts(loader) -> dict:
+    return {
+        "sampler": type(loader.sampler).__name__,
+        "is_distributed": isinstance(loader.sampler, DistributedSampler),
+        "len": len(loader),
+    }
+
+
+def scenarios() -> dict:
+    seed = torch.Generator().manual_seed(7)
+    out: dict = {}
+
+    shuffled = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2, generator=seed)
+    out["shuffle"] = {**facts(shuffled), "epochs": epochs(shuffled)}
+
+    staged = DataLoader(StagedIndices(40), batch_size=4, shuffle=True, num_workers=2)
+    out["staged"] = {**facts(staged), "epochs": epochs(staged, 2)}
+
+    sequential = DataLoader(Indices(40), batch_size=5, num_workers=0)
+    out["sequential"] = {**facts(sequential), "epochs": epochs(sequential, 2)}
+
+    dropped = DataLoader(Indices(23), batch_size=4, shuffle=True, drop_last=True, num_workers=2)
+    out["drop_last"] = {**facts(dropped), "epochs": epochs(dropped, 2)}
+
+    padded = DataLoader(Indices(23), batch_size=4, shuffle=True, num_workers=2)
+    out["padded"] = {**facts(padded), "epochs": epochs(padded, 1)}
+
+    resumed = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
+    resumed.set_epoch(5)
+    first = epochs(resumed, 1)[0]
+    resumed.sampler.set_epoch(7)
+    second = epochs(resumed, 1)[0]
+    third = epochs(resumed, 1)[0]  # nothing set: the loader moves on to epoch 8
+    out["resumed"] = {"epochs": [first, second, third]}
+
+    user = DistributedSampler(Indices(40), shuffle=True, seed=3)
+    with_user = DataLoader(Indices(40), batch_size=4, sampler=user, num_workers=2)
+    out["user_distributed"] = {
+        **facts(with_user),
+        "same_object": with_user.sampler is user,
+        "epochs": epochs(with_user, 2),
+    }
+
+    subset = SubsetRandomSampler(range(10), generator=torch.Generator().manual_seed(1))
+    custom = DataLoader(Indices(40), batch_size=5, sampler=subset, num_workers=2)
+    out["custom_sampler"] = {**facts(custom), "same_object": custom.sampler is subset}
+
+    batches = BatchSampler(range(12), batch_size=3, drop_last=False)
+    with_batches = DataLoader(Indices(40), batch_sampler=batches, num_workers=2)
+    out["custom_batch_sampler"] = {
+        **facts(with_batches),
+        "same_object": with_batches.batch_sampler is batches,
+        "epochs": epochs(with_batches, 1),
+    }
+
+    opted_out = DataLoader(Indices(20), batch_size=5, shuffle=True, distributed=False)
+    out["opted_out"] = {**facts(opted_out), "epochs": epochs(opted_out, 1)}
+
+    stream = DataLoader(Stream(41), batch_size=4, num_workers=2)
+    out["iterable"] = {**facts(stream), "epochs": epochs(stream, 2)}
+    return out
+
+
+def built_before_the_group() -> DataLoader:
+    return DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
+
+
+def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """The body of each spawned rank."""
+    early = built_before_the_group()
+    early_sampler = type(early.sampler).__name__
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        results = scenarios()
+        first_pass = epochs(early, 1)  # the first iteration resolves the group
+        results["late_group"] = {
+            "sampler_before": early_sampler,
+            **facts(early),
+            "epochs": first_pass,
+        }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

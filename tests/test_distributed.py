@@ -1,0 +1,137 @@
+"""Automatic sharding under a real 2-process gloo group (CPU), compared with torch's samplers."""
+
+from __future__ import annotations
+
+import itertools
+
+import distributed_scenarios
+import pytest
+import torch
+import torch.multiprocessing as mp
+from distributed_scenarios import Indices
+from torch.utils.data import DistributedSampler
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every scenario's results, one dict per rank, from one spawn of the group."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    mp.spawn(
+        distributed_scenarios.run,
+        args=(WORLD, str(tmp / "init"), str(tmp)),
+        nprocs=WORLD,
+        join=True,
+    )
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(batches))
+
+
+def reference(n: int, epoch: int, seed: int, shuffle: bool = True, drop_last=False):
+    """What torch's DistributedSampler gives each rank: the per-rank index lists."""
+    out = []
+    for rank in range(WORLD):
+        sampler = DistributedSampler(
+            Indices(n),
+            num_replicas=WORLD,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+@pytest.mark.parametrize("name", ["shuffle", "staged", "sequential", "drop_last", "padded"])
+def test_loader_exposes_a_distributed_sampler_and_equal_lengths(ranks, name):
+    for result in ranks:
+        assert result[name]["is_distributed"]
+        assert result[name]["sampler"] == "AutoEpochSampler"
+    assert ranks[0][name]["len"] == ranks[1][name]["len"]
+    for epoch in range(len(ranks[0][name]["epochs"])):
+        counts = [len(result[name]["epochs"][epoch]) for result in ranks]
+        assert counts == [ranks[0][name]["len"]] * WORLD
+
+
+@pytest.mark.parametrize("name", ["shuffle", "staged", "sequential"])
+def test_shards_are_disjoint_and_cover_the_dataset(ranks, name):
+    for epoch in range(len(ranks[0][name]["epochs"])):
+        shards = [set(flat(result[name]["epochs"][epoch])) for result in ranks]
+        assert not shards[0] & shards[1]
+        assert shards[0] | shards[1] == set(range(40))
+
+
+def test_permutation_is_torchs_with_the_generator_seed_and_new_every_epoch(ranks):
+    got = [[flat(result["shuffle"]["epochs"][e]) for result in ranks] for e in range(3)]
+    for epoch in range(3):
+        assert got[epoch] == reference(40, epoch, seed=7)
+    assert got[0] != got[1] != got[2]
+
+
+def test_default_seed_is_zero_on_every_rank(ranks):
+    got = [[flat(result["staged"]["epochs"][e]) for result in ranks] for e in range(2)]
+    assert got == [reference(40, 0, seed=0), reference(40, 1, seed=0)]
+
+
+def test_drop_last_drops_the_same_tail_as_torch(ranks):
+    for epoch in range(2):
+        got = [flat(result["drop_last"]["epochs"][epoch]) for result in ranks]
+        want = [indices[:8] for indices in reference(23, epoch, seed=0, drop_last=True)]
+        assert got == want  # 11 per rank, 2 full batches of 4 each (drop_last)
+        assert not set(got[0]) & set(got[1])
+
+
+def test_padding_makes_ranks_equal_like_torch(ranks):
+    got = [flat(result["padded"]["epochs"][0]) for result in ranks]
+    assert got == reference(23, 0, seed=0)
+    assert set(got[0]) | set(got[1]) == set(range(23))
+
+
+def test_user_set_epoch_stands_then_the_loader_moves_on(ranks):
+    got = [[flat(result["resumed"]["epochs"][i]) for result in ranks] for i in range(3)]
+    assert got == [reference(40, 5, seed=0), reference(40, 7, seed=0), reference(40, 8, seed=0)]
+
+
+def test_user_distributed_sampler_is_used_as_is(ranks):
+    for result in ranks:
+        scenario = result["user_distributed"]
+        assert scenario["same_object"] and scenario["sampler"] == "DistributedSampler"
+        # torch's semantics for a user's sampler: no set_epoch, same permutation each pass
+        assert scenario["epochs"][0] == scenario["epochs"][1]
+
+
+def test_custom_samplers_are_untouched(ranks):
+    for result in ranks:
+        assert result["custom_sampler"]["same_object"]
+        assert result["custom_sampler"]["sampler"] == "SubsetRandomSampler"
+        assert result["custom_batch_sampler"]["same_object"]
+    # a custom batch sampler is the user's sharding decision: every rank reads all of it
+    assert ranks[0]["custom_batch_sampler"]["epochs"] == ranks[1]["custom_batch_sampler"]["epochs"]
+
+
+def test_distributed_false_keeps_torchs_behaviour(ranks):
+    for result in ranks:
+        assert result["opted_out"]["sampler"] == "RandomSampler"
+        assert sorted(flat(result["opted_out"]["epochs"][0])) == list(range(20))
+
+
+def test_process_group_started_after_the_loader_is_picked_up(ranks):
+    for result in ranks:
+        assert result["late_group"]["sampler_before"] == "RandomSampler"
+        assert result["late_group"]["is_distributed"]
+    shards = [set(flat(result["late_group"]["epochs"][0])) for result in ranks]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(40))
+
+
+def test_iterable_stream_is_split_across_ranks_and_workers(ranks):
+    for epoch in range(2):
+        items = [flat(result["iterable"]["epochs"][epoch]) for result in ranks]
+        assert not set(items[0]) & set(items[1])
+        assert sorted(items[0] + items[1]) == list(range(41))
+    assert [result["iterable"]["len"] for result in ranks] == [6, 6]  # ceil(ceil(41/2)/4)
