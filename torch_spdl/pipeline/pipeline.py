@@ -84,42 +84,40 @@ class _Runtime:
     def _build_source(self, source: Any, stages: Sequence[Stage | Stream]) -> tuple[Any, int, Any]:
         """Returns (upstream of the first stage, number of end marks per epoch, slot release)."""
         if isinstance(source, SharedSource):
-            if not stages:
-                raise ValueError("a pipeline over a shared source needs at least one stage")
-            if source.numbered and not any(isinstance(stage, Stream) for stage in stages):
-                raise ValueError(
-                    "a numbered source gives several items one seq: a Stream stage must merge them"
-                )
-            self.reader = SharedReader(source, self.stop, self.fatal)
-            return self.reader, 1, self.reader.release
+            return self._build_shared_source(source, stages)
+        return self._build_worker_source(source)
+
+    def _build_shared_source(
+        self, source: SharedSource, stages: Sequence[Stage | Stream]
+    ) -> tuple[Any, int, Any]:
+        if not stages:
+            raise ValueError("a pipeline over a shared source needs at least one stage")
+        if source.numbered and not any(isinstance(stage, Stream) for stage in stages):
+            raise ValueError(
+                "a numbered source gives several items one seq: a Stream stage must merge them"
+            )
+        self.reader = SharedReader(source, self.stop, self.fatal)
+        return self.reader, 1, self.reader.release
+
+    def _build_worker_source(self, source: WorkerSource) -> tuple[Any, int, Any]:
+        """One thread and one inbox (for epoch starts) per worker; per-worker in-flight slots."""
         n = source.workers
-        slots = [
+        self.worker_slots = [
             Slots(source.max_in_flight, self.stop) if source.max_in_flight else None
             for _ in range(n)
         ]
-        self.worker_slots = slots
+        self.inboxes = [Channel(1, self.stop) for _ in range(n)]
         out = self._channel(2 * n, producers=n)
         self._starting += n
-        for worker in range(n):
-            inbox = Channel(1, self.stop)
-            self.inboxes.append(inbox)
-            self._thread(
-                worker_source_loop,
-                f"{source.name}:{worker}",
-                source,
-                worker,
-                inbox,
-                out,
-                slots[worker],
-                self,
-            )
+        for worker, (inbox, slots) in enumerate(zip(self.inboxes, self.worker_slots, strict=True)):
+            name = f"{source.name}:{worker}"
+            self._thread(worker_source_loop, name, source, worker, inbox, out, slots, self)
+        return out, n, self._release_worker_slot
 
-        def release(seq: int) -> None:
-            worker_slots = slots[seq % n]
-            if worker_slots is not None:
-                worker_slots.release(seq)
-
-        return out, n, release
+    def _release_worker_slot(self, seq: int) -> None:
+        slots = self.worker_slots[seq % len(self.worker_slots)]
+        if slots is not None:
+            slots.release(seq)
 
     def _build_stage(self, stage: Stage | Stream, upstream: Any, producers: int) -> tuple[Any, int]:
         if isinstance(stage, Stream):
