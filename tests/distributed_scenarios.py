@@ -134,11 +134,23 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """The body of each spawned rank."""
     early = built_before_the_group()
     early_sampler = type(early.sampler).__name__
+    persistent = DataLoader(
+        Indices(40), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+    )
+    before_group = epochs(persistent, 1)[0]  # its iterator now exists, unsharded
+    asked_early = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
+    asked_early.set_epoch(4)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
         results = scenarios()
+        results["persistent"] = {
+            "before_group": before_group,
+            **facts(persistent),
+            "epochs": epochs(persistent, 2),
+        }
+        results["asked_early"] = {"epochs": epochs(asked_early, 1)}
         first_pass = epochs(early, 1)  # the first iteration resolves the group
         results["late_group"] = {
             "sampler_before": early_sampler,

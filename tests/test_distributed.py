@@ -135,3 +135,17 @@ def test_iterable_stream_is_split_across_ranks_and_workers(ranks):
         assert not set(items[0]) & set(items[1])
         assert sorted(items[0] + items[1]) == list(range(41))
     assert [result["iterable"]["len"] for result in ranks] == [6, 6]  # ceil(ceil(41/2)/4)
+
+
+def test_persistent_iterator_from_before_the_group_is_sharded_afterwards(ranks):
+    assert sorted(flat(ranks[0]["persistent"]["before_group"])) == list(range(40))
+    for epoch in range(2):
+        shards = [flat(result["persistent"]["epochs"][epoch]) for result in ranks]
+        assert [len(shard) for shard in shards] == [20, 20]
+        assert len(ranks[0]["persistent"]["epochs"][epoch]) == ranks[0]["persistent"]["len"]
+        assert set(shards[0]).isdisjoint(shards[1])
+
+
+def test_set_epoch_before_the_group_is_kept(ranks):
+    got = [flat(result["asked_early"]["epochs"][0]) for result in ranks]
+    assert got == reference(40, 4, seed=0)

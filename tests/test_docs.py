@@ -16,7 +16,7 @@ def blocks(name: str) -> list[tuple[str, str]]:
     return [(f"{name}#{i}", code) for i, code in enumerate(BLOCK.findall(text))]
 
 
-RUNNABLE = blocks("docs/migration.md") + blocks("docs/api.md")
+RUNNABLE = blocks("docs/migration.md") + blocks("docs/api.md") + blocks("docs/distributed.md")
 
 
 @pytest.mark.usefixtures("no_leak")

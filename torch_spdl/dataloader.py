@@ -112,6 +112,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
         self._shards_itself = distributed and sampler is None and batch_sampler is None
+        self._requested_epoch: int | None = None
         self._shard()
 
     # -- distributed training ---------------------------------------------------------------------
@@ -131,6 +132,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         sampler, batch_sampler = distributed_samplers(self, *ranks)
         object.__setattr__(self, "sampler", sampler)
         object.__setattr__(self, "batch_sampler", batch_sampler)
+        if self._requested_epoch is not None:  # set_epoch() came before the process group
+            sampler.set_epoch(self._requested_epoch)
 
     def _rank_split(self) -> tuple[int, int] | None:
         """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks."""
@@ -139,7 +142,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return None
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does."""
+        """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does.
+
+        Before a process group is up it is remembered for the sampler the group will bring.
+        """
+        self._requested_epoch = epoch
         self._shard()
         for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
             if hasattr(sampler, "set_epoch"):
@@ -332,6 +339,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             raise
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        # A persistent iterator outlives a process group coming up: read the sampler anew.
+        self._index_sampler = loader._index_sampler
         super()._reset(loader, first_iter)
         if self._pipeline is None or first_iter:
             return

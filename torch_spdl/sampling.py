@@ -4,7 +4,8 @@ With torch's own DataLoader a DDP job must remember a ``DistributedSampler`` and
 ``set_epoch`` every epoch; forgetting the first duplicates data on every rank, forgetting the
 second repeats one permutation forever. When a process group is up, the loader does both itself,
 on torch's own :class:`~torch.utils.data.DistributedSampler`, and shows it as ``loader.sampler`` so
-that Lightning and Accelerate see a loader that is already sharded.
+that Lightning sees a loader that is already sharded and injects nothing. (Accelerate's
+``prepare`` does not look: it rebuilds a stock loader and shards it again; docs/distributed.md.)
 """
 
 from __future__ import annotations

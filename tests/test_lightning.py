@@ -1,0 +1,161 @@
+"""Lightning's ``Trainer(strategy="ddp")`` on 2 CPU processes (gloo) with a torch_spdl loader.
+
+Lightning re-creates a DataLoader subclass from its attributes when it injects a
+DistributedSampler (``_update_dataloader``). Whatever path it takes, the loader it iterates must
+still be a torch_spdl loader with every option kept, carry exactly one DistributedSampler over the
+dataset (never Lightning's ``DistributedSamplerWrapper`` around ours), and show each sample exactly
+once per epoch across the ranks, in a new permutation every epoch.
+
+The fit runs as a script (``lightning_ddp_fit.py``) because Lightning's DDP launcher starts rank 1
+by running the launching command line again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from torch.utils.data import DistributedSampler  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPT = Path(__file__).with_name("lightning_ddp_fit.py")
+REPO = Path(__file__).resolve().parents[1]
+SIZE, BATCH, EPOCHS, WORLD = 32, 4, 2, 2
+OPTIONS = {
+    "io_workers": 3,
+    "in_order": False,
+    "prefetch_factor": 3,
+    "persistent_workers": True,
+    "num_workers": 2,
+    "batch_size": BATCH,
+}
+# Variables that would make Lightning think it runs under a launcher or cluster already.
+FOREIGN_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_", "OMPI_COMM_WORLD_", "PMI_", "LSB_", "JSM_")
+
+CASES = [
+    ("hook", "on"),  # built in train_dataloader(): shards itself, Lightning keeps it
+    ("hook", "off"),  # distributed=False: Lightning re-creates it from the captured arguments
+    ("prebuilt", "on"),  # built before fit: Lightning re-creates it from its attributes
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def script_env() -> dict[str, str]:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def fit(request, tmp_path_factory) -> tuple[tuple[str, str], list[dict]]:
+    """Both ranks' records of one 2-epoch fit."""
+    build, distributed = request.param
+    out = tmp_path_factory.mktemp(f"lightning-{build}-{distributed}")
+    log = out / "log.txt"
+    with log.open("w") as sink:
+        # its own session, so that a hung rank 1 (the script's child) can be ended with it
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), build, distributed, str(out)],
+            cwd=out,
+            env=script_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            code = "timeout (180 s)"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # any rank left behind
+            proc.wait()
+    output = log.read_text()[-6000:]
+    assert code == 0, f"fit exited with {code}:\n{output}"
+    files = [out / f"rank{rank}.json" for rank in range(WORLD)]
+    assert all(f.exists() for f in files), f"missing rank records:\n{output}"
+    return request.param, [json.loads(f.read_text()) for f in files]
+
+
+def test_each_rank_ran_every_epoch(fit):
+    _, ranks = fit
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    for record in ranks:
+        assert record["world_size"] == WORLD
+        assert len(record["epochs"]) == len(record["loaders"]) == EPOCHS
+
+
+def test_lightning_iterates_a_torch_spdl_loader_with_every_option_kept(fit):
+    (_, distributed), ranks = fit
+    for record in ranks:
+        for loader in record["loaders"]:
+            assert loader["class"] == "torch_spdl.dataloader.DataLoader"
+            assert loader["is_torch_spdl"]
+            assert loader["dataset_is_ours"]
+            assert {key: loader[key] for key in OPTIONS} == OPTIONS
+            assert loader["load_fn_kept"]
+            assert loader["preprocess_fn_kept"]
+            assert loader["distributed"] is (distributed == "on")
+
+
+def test_one_distributed_sampler_over_the_dataset_and_nothing_stacked(fit):
+    (build, distributed), ranks = fit
+    for record in ranks:
+        for epoch, loader in enumerate(record["loaders"]):
+            mro = loader["sampler_mro"]
+            assert loader["sampler_is_distributed"], mro
+            assert "DistributedSamplerWrapper" not in mro
+            assert loader["sampler_dataset_is_ours"], "the sampler wraps something else"
+            assert loader["sampler_replicas"] == WORLD
+            assert loader["sampler_shuffle"]
+            assert loader["batch_sampler_mro"][0] == "BatchSampler"
+            assert loader["batch_sampler_wraps_sampler"]
+            assert loader["sampler_epoch"] == epoch
+            if build == "hook" and distributed == "on":
+                # already sharded when Lightning sees it: kept as built, our sampler as is
+                assert mro[0] == "AutoEpochSampler"
+                assert loader["built_by_us"]
+                assert record["reinstantiated"] == []
+            else:
+                # Lightning's own sampler, used as is: the loader must not shard it again
+                assert mro[0] == "DistributedSampler"
+
+
+def test_each_sample_once_per_epoch_across_ranks_in_a_new_order(fit):
+    _, ranks = fit
+    for epoch in range(EPOCHS):
+        shards = [record["epochs"][epoch] for record in ranks]
+        for rank, shard in enumerate(shards):
+            assert len(shard) == len(set(shard)) == SIZE // WORLD
+            # the indices torch's DistributedSampler gives this rank and epoch (seed 0 on both
+            # paths: ours without a generator, Lightning's without PL_GLOBAL_SEED)
+            reference = DistributedSampler(range(SIZE), WORLD, rank, shuffle=True, seed=0)
+            reference.set_epoch(epoch)
+            assert sorted(shard) == sorted(reference)
+        assert not set(shards[0]) & set(shards[1])
+        assert set(shards[0]) | set(shards[1]) == set(range(SIZE))
+    assert set(ranks[0]["epochs"][0]) != set(ranks[0]["epochs"][1])
