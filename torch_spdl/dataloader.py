@@ -33,6 +33,7 @@ from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
 from .thread_safety import thread_safe_view
+from .transfer import DeviceTransfer, rank_device, resolve_device
 from .workers import worker_starter
 
 T_co = TypeVar("T_co", covariant=True)
@@ -56,6 +57,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     - ``distributed``: when a process group of more than one process is up, shard the data per
       rank and reshuffle every epoch by itself (see :mod:`torch_spdl.sampling`); ``False`` keeps
       torch's behaviour of loading everything on every rank.
+    - ``device``: deliver batches on this device (``"cuda"`` is the process's own GPU), pinned and
+      copied on a side stream (see :mod:`torch_spdl.transfer`); ``None`` keeps them on the CPU.
+    - ``device_transform``: a callable applied to each batch on ``device``, on the transfer
+      stream (e.g. :func:`torch_spdl.transforms.imagenet_normalize`).
     """
 
     def __init__(
@@ -82,6 +87,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         load_fn: Callable[[Any], Any] | None = None,
         preprocess_fn: Callable[[Any], Any] | None = None,
         distributed: bool = True,
+        device: str | torch.device | None = None,
+        device_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -108,6 +115,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.load_fn = load_fn
         self.preprocess_fn = preprocess_fn
         self.distributed = distributed
+        resolve_device(device)
+        if device_transform is not None and not callable(device_transform):
+            raise TypeError(f"device_transform must be callable, got {device_transform!r}")
+        if device_transform is not None and device is None:
+            raise ValueError("device_transform runs on the device: it needs device= as well")
+        self.device = device
+        self.device_transform = device_transform
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
@@ -189,14 +203,27 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         ranks = loader._rank_split()
         if ranks is not None:
             self._dataset = RankShard(self._dataset, *ranks)
-        pin_device = self._pin_memory_device if self._pin_memory else None
-        self._finish = finisher(self._collate_fn, pin_device)
+        self._transfer = self._device_transfer(loader)
+        self._finish = finisher(self._collate_fn, self._pin_device())
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
             self._fetch = self._inline_fetcher(loader._hooks)
         else:
             self._dataset = thread_safe_view(self._dataset)
             self._pipeline = self._start_pipeline(loader)
+
+    def _device_transfer(self, loader: DataLoader) -> DeviceTransfer | None:
+        device = resolve_device(loader.device)
+        if device is None:
+            return None
+        return DeviceTransfer(rank_device(device), loader.device_transform)
+
+    def _pin_device(self) -> str | None:
+        """Pin where torch would (pin_memory=True and an accelerator), and always before a copy to
+        a CUDA device: copies from pinned memory are the ones that can overlap compute."""
+        if self._transfer is not None and self._transfer.device.type == "cuda":
+            return "cuda"
+        return self._pin_memory_device if self._pin_memory else None
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
     def _inline_fetcher(self, hooks: Hooks | None) -> Callable[[Any], Any]:
@@ -237,7 +264,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                 name="fetch",
                 on_start=start,
             )
-            return Pipeline(source, [], **options)
+            return Pipeline(source, self._transfer_stage(), **options)
         hooks = loader._hooks
         if hooks is None:
             self._make_source = fetch_tasks
@@ -260,7 +287,13 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
             )
-        return Pipeline(source, stages, **options)
+        return Pipeline(source, stages + self._transfer_stage(), **options)
+
+    def _transfer_stage(self) -> list[Stage | Stream]:
+        """One thread owning the transfer stream, after batches are complete."""
+        if self._transfer is None:
+            return []
+        return [Stage("transfer", self._transfer, 1, on_start=self._transfer.start)]
 
     def _samples_per_batch(self, loader: DataLoader) -> int:
         if not self._auto_collation:
@@ -317,11 +350,15 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     # -- iteration --------------------------------------------------------------------------------
     def _next_data(self) -> Any:
         if self._pipeline is None:
-            return self._fetch(self._next_index())
-        try:
-            return self._pipeline.get(self._timeout or None)
-        except TimeoutError:
-            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            data = self._fetch(self._next_index())
+            if self._transfer is not None:
+                data = self._transfer(data)  # in the calling thread too, with num_workers=0
+        else:
+            try:
+                data = self._pipeline.get(self._timeout or None)
+            except TimeoutError:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+        return data if self._transfer is None else self._transfer.hand_over(data)
 
     def __next__(self) -> Any:
         if self._pipeline is None:

@@ -1,0 +1,223 @@
+"""device= / device_transform=: structure kept, values equal to the CPU path, errors at once.
+
+The CUDA tests are marked ``cuda`` and skip cleanly where no GPU is present.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from torch_spdl import DataLoader, StagedDataset
+from torch_spdl.transfer import map_tensors, rank_device, resolve_device
+from torch_spdl.transforms import IMAGENET_MEAN, IMAGENET_STD, imagenet_normalize
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class Pair(NamedTuple):
+    image: torch.Tensor
+    label: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    image: torch.Tensor
+    name: str
+    extra: list
+
+
+def test_map_tensors_keeps_every_container_type_and_leaf():
+    data = {
+        "pair": Pair(torch.ones(2), 3),
+        "record": Record(torch.zeros(1), "x", [torch.ones(1), None]),
+        "ordered": collections.OrderedDict(a=torch.ones(1)),
+        "default": collections.defaultdict(list, b=[torch.ones(1)]),
+        "tuple": (torch.ones(1), "s", b"b", 1.5),
+    }
+    out = map_tensors(data, lambda t: t + 1)
+    assert type(out["pair"]) is Pair and out["pair"].label == 3
+    assert torch.equal(out["pair"].image, torch.full((2,), 2.0))
+    assert type(out["record"]) is Record and out["record"].name == "x"
+    assert torch.equal(out["record"].extra[0], torch.full((1,), 2.0))
+    assert out["record"].extra[1] is None
+    assert type(out["ordered"]) is collections.OrderedDict
+    assert type(out["default"]) is collections.defaultdict
+    assert out["default"].default_factory is list
+    assert out["tuple"][1:] == ("s", b"b", 1.5)
+    assert torch.equal(data["pair"].image, torch.ones(2))  # the input is not modified
+
+
+class Images(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        image = torch.full((3, 4, 4), index * 20, dtype=torch.uint8)
+        return {"image": image, "label": index, "meta": Pair(torch.tensor([index]), index)}
+
+
+class StagedImages(StagedDataset):
+    def __len__(self):
+        return 10
+
+    def load(self, index):
+        return index
+
+    def preprocess(self, raw):
+        return Images()[raw]
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a.cpu(), b.cpu()) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("dataset", [Images, StagedImages])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_device_cpu_gives_the_cpu_batches(dataset, num_workers):
+    want = list(DataLoader(dataset(), batch_size=4))
+    got = list(DataLoader(dataset(), batch_size=4, num_workers=num_workers, device="cpu"))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_device_transform_normalizes_images_and_leaves_the_rest(num_workers):
+    loader = DataLoader(
+        Images(),
+        batch_size=5,
+        num_workers=num_workers,
+        device="cpu",
+        device_transform=imagenet_normalize(key="image"),
+    )
+    for batch, plain in zip(loader, DataLoader(Images(), batch_size=5), strict=True):
+        mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        want = (plain["image"].float() / 255 - mean) / std
+        assert batch["image"].dtype == torch.float32
+        assert torch.allclose(batch["image"], want)
+        assert torch.equal(batch["label"], plain["label"])
+
+
+def test_device_transform_error_keeps_its_type_and_names_the_stage():
+    loader = DataLoader(
+        Images(), batch_size=5, num_workers=2, device="cpu", device_transform=imagenet_normalize()
+    )
+    with pytest.raises(KeyError, match="in stage 'transfer'"):  # a dict batch has no key 0
+        list(loader)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_an_error_at_construction():
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        DataLoader(Images(), device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"device": "not-a-device"}, RuntimeError),
+        ({"device": "cpu", "device_transform": 42}, TypeError),
+        ({"device_transform": lambda batch: batch}, ValueError),
+    ],
+)
+def test_bad_device_options_fail_at_construction(kwargs, error):
+    with pytest.raises(error):
+        DataLoader(Images(), **kwargs)
+
+
+def test_device_options_are_public_attributes_with_torch_preserving_defaults():
+    loader = DataLoader(Images())
+    assert loader.device is None and loader.device_transform is None
+    transform = imagenet_normalize()
+    loader = DataLoader(Images(), device="cpu", device_transform=transform)
+    assert loader.device == "cpu" and loader.device_transform is transform
+
+
+def test_plain_cuda_means_this_ranks_gpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert rank_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")
+    assert resolve_device(None) is None
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dataset", [Images, StagedImages])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_cuda_batches_equal_the_cpu_path(dataset, num_workers):
+    want = list(DataLoader(dataset(), batch_size=4))
+    got = list(DataLoader(dataset(), batch_size=4, num_workers=num_workers, device="cuda"))
+    for a, b in zip(got, want, strict=True):
+        assert a["image"].is_cuda and a["meta"].image.is_cuda
+        assert_same(a, b)
+
+
+class SlowOnTheTransferStream:
+    """Keeps the transfer stream busy, then changes the batch: a consumer that did not wait for
+    the transfer's event would read the values from before the change."""
+
+    def __call__(self, batch):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time on the side stream
+        batch["image"] = batch["image"].float() + 1000
+        return batch
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_consumer_never_sees_a_batch_before_its_copy_and_transform_finished():
+    loader = DataLoader(
+        Images(),
+        batch_size=5,
+        num_workers=2,
+        device="cuda",
+        device_transform=SlowOnTheTransferStream(),
+    )
+    for batch, plain in zip(loader, DataLoader(Images(), batch_size=5), strict=True):
+        seen = (batch["image"] * 1).cpu()  # work queued on the consumer's own stream
+        assert torch.equal(seen, plain["image"].float() + 1000)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_pinned_staging_is_reused_and_memory_does_not_grow():
+    class Big(Dataset):
+        def __len__(self):
+            return 1_000_000
+
+        def __getitem__(self, index):
+            return torch.full((3, 64, 64), index % 256, dtype=torch.uint8)
+
+    it = iter(DataLoader(Big(), batch_size=8, num_workers=2, device="cuda"))
+    for _ in range(100):
+        next(it)
+    torch.cuda.synchronize()
+    host_blocks = torch.cuda.host_memory_stats()["num_host_alloc"]
+    device_bytes = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        next(it)
+    torch.cuda.synchronize()
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == host_blocks
+    assert torch.cuda.memory_allocated() <= device_bytes + 8 * 3 * 64 * 64
+    del it

@@ -1,0 +1,121 @@
+"""Device transfer: batches arrive on the GPU, copied on a side stream while the model computes.
+
+One transfer stage (one thread) owns a CUDA stream. For each batch, already pinned by the worker
+that collated it, it issues ``non_blocking`` copies on that stream, runs ``device_transform`` there
+(so images can cross PCIe as uint8 and become float on the GPU), and records an event. The
+consumer's thread, just before it receives the batch, makes *its* current stream wait on that
+event — no host synchronisation per batch — and ``record_stream``s every output tensor so the
+caching allocator cannot hand the memory to the side stream again while the model still reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Transform = Callable[[Any], Any]
+
+
+def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``data`` with ``fn`` applied to every tensor, the structure (types included) unchanged.
+
+    Walks what ``default_collate`` produces and more: mappings, lists, tuples, namedtuples and
+    dataclasses; other leaves are returned as they are.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (str, bytes)):
+        return data
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        clone = copy.copy(data)
+        for field in dataclasses.fields(data):
+            object.__setattr__(clone, field.name, map_tensors(getattr(data, field.name), fn))
+        return clone
+    if isinstance(data, Mapping):
+        mapped = {key: map_tensors(value, fn) for key, value in data.items()}
+        try:
+            clone = copy.copy(data)
+            clone.update(mapped)
+            return clone
+        except (TypeError, AttributeError):  # immutable mappings, or no update()
+            return type(data)(mapped)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(map_tensors(item, fn) for item in data))
+    if isinstance(data, (list, tuple)):
+        mapped_items = [map_tensors(item, fn) for item in data]
+        return mapped_items if type(data) is list else type(data)(mapped_items)
+    return data
+
+
+def resolve_device(device: Any) -> torch.device | None:
+    """Validate ``device=`` at construction: a clear error now rather than at the first batch."""
+    if device is None:
+        return None
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={device!r} was asked for, but CUDA is not available on this machine; "
+            "use device='cpu', or device=None to keep batches where collate_fn puts them"
+        )
+    return resolved
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """``cuda`` without an index means this process's own GPU: ``LOCAL_RANK`` under torchrun,
+    else the current device."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    local_rank = os.environ.get("LOCAL_RANK")
+    index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A batch whose copies were issued on the transfer stream, and the event that ends them."""
+
+    batch: Any
+    event: torch.cuda.Event
+
+
+class DeviceTransfer:
+    """Moves batches to ``device`` (and applies ``transform`` there); see the module docstring."""
+
+    def __init__(self, device: torch.device, transform: Transform | None) -> None:
+        self.device = device
+        self.transform = transform
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, worker_id: int) -> None:
+        """The transfer thread's on_start: tensors a transform creates land on our device."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+
+    def __call__(self, batch: Any) -> Any:
+        """On the transfer thread: issue the copies and the transform; do not wait for them."""
+        if self.stream is None:
+            return self._move(batch, non_blocking=False)
+        with torch.cuda.stream(self.stream):
+            moved = self._move(batch, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return InFlight(moved, event)
+
+    def _move(self, batch: Any, non_blocking: bool) -> Any:
+        moved = map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
+        return moved if self.transform is None else self.transform(moved)
+
+    def hand_over(self, item: Any) -> Any:
+        """On the consumer's thread: order its stream after the copies, then give the batch."""
+        if not isinstance(item, InFlight):
+            return item
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(item.event)
+        map_tensors(item.batch, lambda t: t.record_stream(consumer) if t.is_cuda else None)
+        return item.batch
