@@ -16,13 +16,19 @@ def blocks(name: str) -> list[tuple[str, str]]:
     return [(f"{name}#{i}", code) for i, code in enumerate(BLOCK.findall(text))]
 
 
-RUNNABLE = blocks("docs/migration.md") + blocks("docs/api.md") + blocks("docs/distributed.md")
+RUNNABLE = (
+    blocks("docs/migration.md")
+    + blocks("docs/api.md")
+    + blocks("docs/distributed.md")
+    + blocks("docs/gpu.md")
+)
 
 
 @pytest.mark.usefixtures("no_leak")
 @pytest.mark.parametrize(("where", "code"), RUNNABLE, ids=[where for where, _ in RUNNABLE])
 def test_docs_example_runs(where, code):
-    exec(compile(code, where, "exec"), {"__name__": "__docs__"})
+    # dont_inherit: a block runs as its own file, without this module's __future__ imports
+    exec(compile(code, where, "exec", dont_inherit=True), {"__name__": "__docs__"})
 
 
 @pytest.mark.parametrize(

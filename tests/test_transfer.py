@@ -118,6 +118,15 @@ def test_device_transform_normalizes_images_and_leaves_the_rest(num_workers):
         assert torch.equal(batch["label"], plain["label"])
 
 
+def test_normalize_finds_images_in_namedtuple_batches_by_position_or_name():
+    images = torch.full((2, 3, 1, 1), 255, dtype=torch.uint8)
+    for key in (0, "image"):
+        out = imagenet_normalize(key=key)(Pair(images, 7))
+        assert type(out) is Pair and out.label == 7
+        want = (1 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
+        assert torch.allclose(out.image[0, :, 0, 0], want)
+
+
 def test_device_transform_error_keeps_its_type_and_names_the_stage():
     loader = DataLoader(
         Images(), batch_size=5, num_workers=2, device="cpu", device_transform=imagenet_normalize()

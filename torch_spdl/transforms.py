@@ -56,6 +56,9 @@ class Normalize:
             return self._normalize(batch)
         if isinstance(batch, dict):
             return {**batch, self.key: self._normalize(batch[self.key])}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple: by index or name
+            field = self.key if isinstance(self.key, str) else batch._fields[self.key]
+            return batch._replace(**{field: self._normalize(getattr(batch, field))})
         if isinstance(batch, (list, tuple)):
             items = list(batch)
             items[self.key] = self._normalize(items[self.key])
