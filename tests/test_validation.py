@@ -403,6 +403,7 @@ def test_staged_dataset_without_preprocess_uses_the_identity():
 
     got = [b.tolist() for b in torch_spdl.DataLoader(LoadOnly(), batch_size=4, num_workers=2)]
     assert got == [[0, 2, 4, 6], [8, 10]]
+    assert [b.tolist() for b in tud.DataLoader(LoadOnly(), batch_size=4)] == got
 
 
 def test_a_load_method_alone_is_not_taken_as_a_hook():

@@ -42,7 +42,7 @@ class StagedDataset(Dataset[T_co]):
         raw = self.load(index)
         if inspect.isawaitable(raw):
             raw = asyncio.run(_await(raw))
-        return self.preprocess(raw)
+        return raw if self.preprocess is None else self.preprocess(raw)
 
 
 async def _await(awaitable: Any) -> Any:
