@@ -1,8 +1,10 @@
 """The staged-dataset protocol: ``load(index)`` for I/O, ``preprocess(raw)`` for CPU work.
 
-A dataset opts in by subclassing :class:`StagedDataset` (whose ``preprocess`` is the identity unless
-overridden) or by defining both ``load`` and ``preprocess``: a ``load`` method alone is too common
-a name (a helper that reads a file, say) to take as a request to bypass ``__getitem__``. The
+torchvision's ``ImageFolder``/``DatasetFolder`` with the default loader are split automatically
+(:mod:`torch_spdl.folder`). Other datasets opt in by subclassing :class:`StagedDataset` (whose
+``preprocess`` is the identity unless overridden) or by defining both ``load`` and
+``preprocess``: a ``load`` method alone is too common a name (a helper that reads a file, say) to
+take as a request to bypass ``__getitem__``. The
 loader then runs ``load`` on an I/O pool (``io_workers`` threads, or an event loop when ``load`` is
 ``async def``) and ``preprocess`` on ``num_workers`` threads, so waiting on storage never occupies a
 CPU worker. ``load_fn=`` / ``preprocess_fn=`` give the same split for a dataset you cannot edit
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Dataset, IterableDataset
 
+from .folder import folder_hooks
 from .pipeline.stages import is_async_callable
 
 T_co = TypeVar("T_co", covariant=True)
@@ -105,6 +108,8 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
         return None
     load = load_fn
     preprocess = preprocess_fn
+    if load is None and preprocess is None and (folder := folder_hooks(dataset)) is not None:
+        return Hooks(load=folder.load, preprocess=folder.preprocess)
     if load is None and _is_staged(dataset):
         load = dataset.load
         check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")

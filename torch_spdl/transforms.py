@@ -1,7 +1,8 @@
-"""Batch transforms meant for ``device_transform=``: they run on the GPU, on the transfer stream.
+"""Image transforms split where each is cheapest.
 
-Images cross PCIe as uint8 (4x fewer bytes than float32) and are converted and normalised where
-the arithmetic is cheap.
+Per-sample presets (:func:`imagenet_train`, :func:`imagenet_eval`) run in the CPU workers and end
+in uint8 tensors; :class:`Normalize` runs on the batch, on the GPU (``device_transform=``). Images
+thus cross PCIe as uint8 (4x fewer bytes than float32) and become float where that is cheap.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -69,3 +71,26 @@ class Normalize:
 def imagenet_normalize(key: int | str | None = 0) -> Normalize:
     """The ImageNet mean/std normalisation, ready for ``device_transform=``."""
     return Normalize(IMAGENET_MEAN, IMAGENET_STD, key=key)
+
+
+def _to_uint8_tensor() -> list[v2.Transform]:
+    """PIL image or tensor in, plain uint8 ``C×H×W`` tensor out (what default_collate stacks)."""
+    return [v2.ToImage(), v2.ToDtype(torch.uint8, scale=True), v2.ToPureTensor()]
+
+
+def imagenet_train(size: int = 224, *, jitter: float | None = 0.4) -> v2.Compose:
+    """RandomResizedCrop, horizontal flip and ColorJitter; uint8 out, normalisation left for the
+    device. Works on PIL images and on uint8 tensors (e.g. from :mod:`torch_spdl.io`)."""
+    ops: list[v2.Transform] = [
+        v2.RandomResizedCrop(size, antialias=True),
+        v2.RandomHorizontalFlip(),
+    ]
+    if jitter:
+        ops.append(v2.ColorJitter(brightness=jitter, contrast=jitter, saturation=jitter))
+    return v2.Compose(ops + _to_uint8_tensor())
+
+
+def imagenet_eval(size: int = 224, resize: int = 256) -> v2.Compose:
+    """Resize the short side to ``resize``, centre-crop ``size``; uint8 out."""
+    ops = [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
+    return v2.Compose(ops + _to_uint8_tensor())

@@ -1,0 +1,52 @@
+"""torchvision's ``DatasetFolder``/``ImageFolder`` split into hooks, with no change to the dataset.
+
+``DatasetFolder.__getitem__`` opens, decodes and transforms a file in one call, so a worker thread
+that waits on storage cannot decode meanwhile. With torchvision's default (PIL) loader the same
+work splits cleanly: ``load`` reads the file's bytes (I/O threads) and ``preprocess`` decodes them
+exactly as ``pil_loader`` does, then applies the dataset's ``transform``/``target_transform``
+(CPU threads). Samples are identical to ``dataset[index]``. A custom ``loader``, another image
+backend, or a subclass with its own ``__getitem__`` is left alone.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from PIL import Image
+
+
+class FolderHooks:
+    """``load``/``preprocess`` for one ``DatasetFolder`` that uses torchvision's default loader."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def load(self, index: int) -> tuple[bytes, Any]:
+        path, target = self.dataset.samples[index]
+        with open(path, "rb") as file:
+            return file.read(), target
+
+    def preprocess(self, raw: tuple[bytes, Any]) -> tuple[Any, Any]:
+        data, target = raw
+        sample = Image.open(io.BytesIO(data)).convert("RGB")  # what pil_loader returns
+        if self.dataset.transform is not None:
+            sample = self.dataset.transform(sample)
+        if self.dataset.target_transform is not None:
+            target = self.dataset.target_transform(target)
+        return sample, target
+
+
+def folder_hooks(dataset: Any) -> FolderHooks | None:
+    """Hooks for an unmodified torchvision folder dataset, or None for anything else."""
+    import torchvision
+    from torchvision.datasets import DatasetFolder
+    from torchvision.datasets.folder import default_loader
+
+    if not isinstance(dataset, DatasetFolder):
+        return None
+    if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
+        return None
+    if dataset.loader is not default_loader or torchvision.get_image_backend() != "PIL":
+        return None
+    return FolderHooks(dataset)
