@@ -29,6 +29,7 @@ from .batching import (
     sample_stage,
     sample_tasks,
 )
+from .cache import ByteLRU, CacheStats, cached
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
@@ -61,6 +62,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       copied on a side stream (see :mod:`torch_spdl.transfer`); ``None`` keeps them on the CPU.
     - ``device_transform``: a callable applied to each batch on ``device``, on the transfer
       stream (e.g. :func:`torch_spdl.transforms.imagenet_normalize`).
+    - ``cache_bytes``: keep what the ``load`` hook returned in an LRU cache bounded in bytes
+      (:mod:`torch_spdl.cache`), shared by all passes; ``preload=True`` loads every item into it
+      on the I/O pool before the first batch (unbounded unless ``cache_bytes`` is given).
     """
 
     def __init__(
@@ -89,6 +93,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         distributed: bool = True,
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
+        cache_bytes: int | None = None,
+        preload: bool = False,
     ) -> None:
         super().__init__(
             dataset,
@@ -123,11 +129,40 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.device = device
         self.device_transform = device_transform
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
+        self.cache_bytes = cache_bytes
+        self.preload = preload
+        self._cache = self._make_cache()
+        self._preloaded = False
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
         self._shards_itself = distributed and sampler is None and batch_sampler is None
         self._requested_epoch: int | None = None
         self._shard()
+
+    # -- caching ----------------------------------------------------------------------------------
+    def _make_cache(self) -> ByteLRU | None:
+        if self.cache_bytes is None and not self.preload:
+            return None
+        if self._hooks is None:
+            raise ValueError(
+                "cache_bytes and preload keep what a load hook returns, and this dataset has none: "
+                "use a StagedDataset, load_fn=, or a torchvision ImageFolder"
+            )
+        return ByteLRU(self.cache_bytes)
+
+    def cache_stats(self) -> CacheStats | None:
+        """Hits, misses, evictions, items and bytes of the load cache (None without one)."""
+        return None if self._cache is None else self._cache.stats()
+
+    def _preload(self) -> None:
+        """Load every index once, on the I/O pool, into the cache (``preload=True``)."""
+        load = self._hooks.load_from(self.dataset)
+        stage = Stage("preload", load, self.io_workers, describe=lambda i: f"dataset index {i}")
+        indices = range(len(self.dataset))
+        with Pipeline(indices, [stage], name="torch_spdl.preload") as loaded:
+            for index, raw in zip(indices, loaded, strict=True):
+                self._cache.put(index, raw)
+        self._preloaded = True
 
     # -- distributed training ---------------------------------------------------------------------
     def _shard(self) -> None:
@@ -167,6 +202,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 sampler.set_epoch(epoch)
 
     def __iter__(self) -> Any:
+        if self.preload and not self._preloaded:
+            self._preload()
         self._shard()
         if isinstance(self.sampler, AutoEpochSampler):
             self.sampler.begin_pass()
@@ -207,7 +244,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         self._finish = finisher(self._collate_fn, self._pin_device())
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
-            self._fetch = self._inline_fetcher(loader._hooks)
+            self._fetch = self._inline_fetcher(loader)
         else:
             self._dataset = thread_safe_view(self._dataset)
             self._pipeline = self._start_pipeline(loader)
@@ -226,7 +263,13 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         return self._pin_memory_device if self._pin_memory else None
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
-    def _inline_fetcher(self, hooks: Hooks | None) -> Callable[[Any], Any]:
+    def _load(self, loader: DataLoader, hooks: Hooks) -> Callable[[Any], Any]:
+        """The load hook of the dataset actually read, through the loader's cache if it has one."""
+        load = hooks.load_from(self._dataset)
+        return load if loader._cache is None else cached(load, loader._cache, hooks.load_is_async)
+
+    def _inline_fetcher(self, loader: DataLoader) -> Callable[[Any], Any]:
+        hooks = loader._hooks
         if self._dataset_kind == _DatasetKind.Iterable or hooks is None:
             fetcher = _DatasetKind.create_fetcher(
                 self._dataset_kind,
@@ -236,9 +279,10 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                 self._drop_last,
             )
             return fetcher.fetch
-        load = hooks.load_from(self._dataset)
+        load = self._load(loader, hooks)
         if hooks.load_is_async:
-            load = lambda index: asyncio.run(hooks.load(index))  # noqa: E731
+            load_async = load
+            load = lambda index: asyncio.run(load_async(index))  # noqa: E731
         preprocess = hooks.preprocess
 
         def fetch(index: Any) -> Any:
@@ -312,7 +356,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         return [
             Stage(
                 "load",
-                wrap(hooks.load_from(self._dataset), lambda task: task.index),
+                wrap(self._load(loader, hooks), lambda task: task.index),
                 loader.io_workers,
                 describe=SampleTask.describe,
                 on_start=io_start,
