@@ -7,6 +7,7 @@ import random
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,39 @@ def test_preload_loads_everything_once_before_the_first_batch():
     assert [b.tolist() for b in loader] == want
     assert dataset.loads == Counter(range(24))
     del it
+
+
+def test_preload_threads_know_their_worker_and_fakedata_stays_thread_safe():
+    import torchvision
+
+    fake = torchvision.datasets.FakeData(size=48, image_size=(3, 8, 8))
+    infos = []
+
+    def to_tensor(sample):
+        return torch.from_numpy(np.asarray(sample[0])).sum(), sample[1]
+
+    loader = DataLoader(fake, batch_size=8, num_workers=2, preload=True, preprocess_fn=to_tensor)
+    want = [to_tensor(fake[i]) for i in range(48)]
+    got = [pair for pixels, labels in loader for pair in zip(pixels, labels, strict=True)]
+    assert [(int(p), int(t)) for p, t in got] == [(int(p), t) for p, t in want]
+
+    class Info(Counted):
+        def load(self, index):
+            info = torch.utils.data.get_worker_info()
+            infos.append((info.worker_method, info.num_workers))
+            return super().load(index)
+
+    list(DataLoader(Info(), preload=True, io_workers=3))
+    assert set(infos) == {("thread", 3)}
+
+
+def test_cache_options_set_after_construction_take_effect():
+    dataset = Counted()
+    loader = DataLoader(dataset, batch_size=6)
+    loader.preload = True
+    list(loader)
+    list(loader)
+    assert dataset.loads == Counter(range(24)) and loader.cache_stats().hits == 48
 
 
 def test_preload_error_keeps_its_type_and_names_the_index():

@@ -155,9 +155,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return None if self._cache is None else self._cache.stats()
 
     def _preload(self) -> None:
-        """Load every index once, on the I/O pool, into the cache (``preload=True``)."""
-        load = self._hooks.load_from(self.dataset)
-        stage = Stage("preload", load, self.io_workers, describe=lambda i: f"dataset index {i}")
+        """Load every index once, on the I/O pool, into the cache (``preload=True``).
+
+        Same threads as the load stage's: the thread-safe view of the dataset, and a WorkerInfo
+        per thread (seeded from 0: preloading must not draw from ``generator``).
+        """
+        load = self._hooks.load_from(thread_safe_view(self.dataset))
+        start = worker_starter(self.dataset, self.io_workers, 0, None)
+        stage = Stage(
+            "preload",
+            load,
+            self.io_workers,
+            describe=lambda i: f"dataset index {i}",
+            on_start=start,
+        )
         indices = range(len(self.dataset))
         with Pipeline(indices, [stage], name="torch_spdl.preload") as loaded:
             for index, raw in zip(indices, loaded, strict=True):
@@ -202,6 +213,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 sampler.set_epoch(epoch)
 
     def __iter__(self) -> Any:
+        if self._cache is None:  # cache_bytes or preload may have been set after construction
+            self._cache = self._make_cache()
         if self.preload and not self._preloaded:
             self._preload()
         self._shard()
