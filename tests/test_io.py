@@ -479,3 +479,9 @@ def test_decode_video_errors(video, tmp_path: Path):
         decode_video(video, num_frames=2, sampling="random")
     with pytest.raises(ValueError, match="start"):
         decode_video(video, num_frames=2, start=-1.0)
+
+
+def test_io_is_reachable_from_the_package():
+    import torch_spdl
+
+    assert torch_spdl.io.decode_video is not None and torch_spdl.io.decode_image is not None

@@ -2,9 +2,9 @@
 
 from torch.utils.data import get_worker_info
 
-from . import pipeline
+from . import io, pipeline, transforms
 from .dataloader import DataLoader
 from .hooks import StagedDataset
 
-__all__ = ["DataLoader", "StagedDataset", "get_worker_info", "pipeline"]
+__all__ = ["DataLoader", "StagedDataset", "get_worker_info", "io", "pipeline", "transforms"]
 __version__ = "0.1.0"
