@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from subprocesses import REPO, checkout_env, free_port
+
 SCRIPT = str(REPO / "examples" / "ddp_train.py")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 OK_SHARDS = (
@@ -18,20 +17,13 @@ OK_SHARDS = (
 OK_EPOCHS = "OK: every epoch read a new permutation"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_all(*commands: list[str], timeout: float = 180) -> str:
     """Run ``commands`` side by side from the repo root; their joined output, failing on rc != 0.
 
     The checkout goes first on PYTHONPATH. Each command runs in its own session so that a
     timeout kills the whole job, torchrun's rank processes included.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = checkout_env()
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a test run under some other launcher must not leak into ours
     procs = [

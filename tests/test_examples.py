@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from example_runner import run_example
+from subprocesses import run_example
 
 
 def test_imagefolder_example(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from example_runner import run_example
+from subprocesses import run_example
 
 
 def test_video_clips_example(tmp_path):

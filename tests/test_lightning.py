@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +24,12 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from subprocesses import checkout_env, free_port  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 SCRIPT = Path(__file__).with_name("lightning_ddp_fit.py")
-REPO = Path(__file__).resolve().parents[1]
 SIZE, BATCH, EPOCHS, WORLD = 32, 4, 2, 2
 OPTIONS = {
     "io_workers": 3,
@@ -51,19 +50,14 @@ CASES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def script_env() -> dict[str, str]:
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = checkout_env(
+        {
+            key: value
+            for key, value in os.environ.items()
+            if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
+        }
+    )
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())
     env["PYTHONUNBUFFERED"] = "1"

@@ -113,6 +113,9 @@ class SharedReader:
         with self._cond:
             if seq >= self._base:
                 self._free += 1
+                # One wake-up is enough: only the busy thread waits for budget, and it queued on
+                # the condition before any thread waiting for its turn could (they need the lock,
+                # which the busy thread holds until it waits), so the FIFO wakes it first.
                 self._cond.notify()
 
     def _wait_for_turn(self) -> None:
