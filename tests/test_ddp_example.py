@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from subprocesses import REPO, checkout_env, free_port
 
@@ -17,13 +18,15 @@ OK_SHARDS = (
 OK_EPOCHS = "OK: every epoch read a new permutation"
 
 
-def run_all(*commands: list[str], timeout: float = 180) -> str:
+def run_all(*commands: list[str], tmp: Path, timeout: float = 180) -> str:
     """Run ``commands`` side by side from the repo root; their joined output, failing on rc != 0.
 
     The checkout goes first on PYTHONPATH. Each command runs in its own session so that a
-    timeout kills the whole job, torchrun's rank processes included.
+    timeout kills the whole job, torchrun's rank processes included. Temporary files go to
+    ``tmp``: torchrun makes a ``torchelastic_*`` log directory there and never removes it.
     """
     env = checkout_env()
+    env["TMPDIR"] = str(tmp)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # a test run under some other launcher must not leak into ours
     procs = [
@@ -52,9 +55,9 @@ def run_all(*commands: list[str], timeout: float = 180) -> str:
     return out
 
 
-def test_ddp_example_with_torchrun():
+def test_ddp_example_with_torchrun(tmp_path):
     port = f"--master_port={free_port()}"
-    out = run_all([*TORCHRUN, "--nproc_per_node=2", port, SCRIPT, "--epochs", "2"])
+    out = run_all([*TORCHRUN, "--nproc_per_node=2", port, SCRIPT, "--epochs", "2"], tmp=tmp_path)
     for rank in range(2):
         assert f"rank {rank}/2: sampler AutoEpochSampler, 4 batches per epoch" in out, out
         for epoch in range(2):
@@ -64,15 +67,15 @@ def test_ddp_example_with_torchrun():
     assert OK_EPOCHS in out, out
 
 
-def test_ddp_example_in_one_process():
-    out = run_all([sys.executable, SCRIPT, "--epochs", "2"])
+def test_ddp_example_in_one_process(tmp_path):
+    out = run_all([sys.executable, SCRIPT, "--epochs", "2"], tmp=tmp_path)
     assert "rank 0/1: sampler RandomSampler, 8 batches per epoch" in out, out
     assert "rank 0/1: epoch 1: sampler RandomSampler, 8 batches, 256 samples" in out, out
     assert OK_SHARDS.format(world=1) in out, out
     assert OK_EPOCHS in out, out
 
 
-def test_ddp_example_two_nodes_on_one_host():
+def test_ddp_example_two_nodes_on_one_host(tmp_path):
     """``--nnodes=2`` with c10d rendezvous, both "nodes" here: 4 global ranks, one shard each."""
     port = free_port()
     node = [
@@ -87,7 +90,7 @@ def test_ddp_example_two_nodes_on_one_host():
         "--epochs",
         "2",
     ]
-    out = run_all(node, node)
+    out = run_all(node, node, tmp=tmp_path)
     for rank in range(4):
         assert f"rank {rank}/4: sampler AutoEpochSampler, 2 batches per epoch" in out, out
     assert OK_SHARDS.format(world=4) in out, out
