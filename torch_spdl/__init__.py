@@ -4,7 +4,16 @@ from torch.utils.data import get_worker_info
 
 from . import io, pipeline, transforms
 from .dataloader import DataLoader
+from .failures import FailureBudgetExceeded
 from .hooks import StagedDataset
 
-__all__ = ["DataLoader", "StagedDataset", "get_worker_info", "io", "pipeline", "transforms"]
+__all__ = [
+    "DataLoader",
+    "FailureBudgetExceeded",
+    "StagedDataset",
+    "get_worker_info",
+    "io",
+    "pipeline",
+    "transforms",
+]
 __version__ = "0.1.0"

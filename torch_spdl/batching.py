@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory
 
+from .failures import SKIPPED, FailureBudget, gather
 from .pipeline import Failure
 
 Collate = Callable[[Any], Any]
@@ -47,9 +48,14 @@ def fetch_tasks(index_iter: Iterable[Any]) -> Iterator[FetchTask]:
 
 
 def batch_fetcher(
-    dataset: Any, auto_collation: bool, finish: Collate
+    dataset: Any, auto_collation: bool, finish: Collate, budget: FailureBudget | None = None
 ) -> Callable[[FetchTask], Any]:
-    """torch's ``_MapDatasetFetcher.fetch``, recording which index is being read."""
+    """torch's ``_MapDatasetFetcher.fetch``, recording which index is being read.
+
+    With an enabled failure ``budget`` the samples that raise are left out instead.
+    """
+    if budget is not None and budget.enabled:
+        return tolerant_fetcher(dataset, auto_collation, finish, budget)
     getitems = getattr(dataset, "__getitems__", None)
 
     def fetch(task: FetchTask) -> Any:
@@ -66,6 +72,35 @@ def batch_fetcher(
                 data.append(dataset[index])
         task.current = None
         return finish(data)
+
+    return fetch
+
+
+def tolerant_fetcher(
+    dataset: Any, auto_collation: bool, finish: Collate, budget: FailureBudget
+) -> Callable[[FetchTask], Any]:
+    """A batch of the samples that could be read; :data:`SKIPPED` if none could.
+
+    ``__getitems__`` reads the batch at once; if it raises, the samples are read one by one with
+    ``__getitem__`` to find out which of them fail.
+    """
+    getitems = getattr(dataset, "__getitems__", None)
+    steps = [("fetch", dataset.__getitem__)]
+
+    def fetch(task: FetchTask) -> Any:
+        indices = task.index if auto_collation else [task.index]
+        data = None
+        if getitems and auto_collation:
+            try:
+                data = getitems(indices)
+                budget.saw(len(indices))
+            except Exception:
+                data = None
+        if data is None:
+            data = gather(indices, steps, budget)
+        if not data and indices:
+            return SKIPPED
+        return finish(data if auto_collation else data[0])
 
     return fetch
 
@@ -127,9 +162,12 @@ class Assembler:
     with persistent workers) drops the partly assembled batches of the abandoned one.
     """
 
-    def __init__(self, auto_collation: bool, finish: Collate) -> None:
+    def __init__(
+        self, auto_collation: bool, finish: Collate, budget: FailureBudget | None = None
+    ) -> None:
         self.auto_collation = auto_collation
         self.finish = finish
+        self.budget = budget if budget is not None and budget.enabled else None
         self._floor = 0  # seqs below it belong to abandoned epochs; set from the consumer thread
 
     def restart(self, base: int) -> None:
@@ -146,7 +184,7 @@ class Assembler:
                     del pending[stale], missing[stale]
             if seq < floor:
                 continue  # a sample of an abandoned epoch
-            task: SampleTask = value.item if isinstance(value, Failure) else value
+            task = _task(value)
             if seq not in pending:
                 pending[seq] = [None] * max(task.size, 1)
                 missing[seq] = len(pending[seq])
@@ -154,10 +192,30 @@ class Assembler:
             missing[seq] -= 1
             if missing[seq] == 0:
                 del missing[seq]
-                yield seq, _collate(pending.pop(seq), self.auto_collation, self.finish)
+                parts = pending.pop(seq)
+                if self.budget is not None:
+                    parts = self._survivors(parts)
+                yield seq, _collate(parts, self.auto_collation, self.finish)
+
+    def _survivors(self, parts: list[Any]) -> list[Any]:
+        """The samples that made it through load and preprocess; the others are recorded."""
+        survivors = []
+        for part in parts:
+            if isinstance(part, Failure):
+                self.budget.record(part.item.index, part.stage or "?", part.error())
+            else:
+                survivors.append(part)
+        self.budget.saw(sum(1 for part in parts if _task(part).size))
+        return survivors
+
+
+def _task(part: Any) -> SampleTask:
+    return part.item if isinstance(part, Failure) else part
 
 
 def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
+    if not parts:
+        return SKIPPED  # every sample of the batch failed, and the budget allowed it
     for part in parts:
         if isinstance(part, Failure):
             return part
@@ -170,3 +228,42 @@ def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
         return Failure.capture(
             f"in stage 'collate' for the batch of dataset indices {first.batch}", first
         )
+
+
+# -- iterable datasets with a failure budget ----------------------------------------------------
+def tolerant_batches(
+    dataset: Any,
+    batch_size: int | None,
+    drop_last: bool,
+    finish: Collate,
+    budget: FailureBudget,
+) -> Iterator[Any]:
+    """torch's ``_IterableDatasetFetcher`` loop, leaving out the items whose ``next()`` raises.
+
+    (A generator is finished once it has raised, so its stream ends there; an iterator object
+    may go on, and then the items after the bad one are kept.)
+    """
+    iterator = iter(dataset)
+    size = 1 if batch_size is None else batch_size
+    while True:
+        data, ended = _take(iterator, size, budget)
+        if data and (len(data) == size or not drop_last):
+            yield finish(data if batch_size is not None else data[0])
+        if ended:
+            return
+
+
+def _take(iterator: Iterator[Any], size: int, budget: FailureBudget) -> tuple[list[Any], bool]:
+    """Up to ``size`` items that could be read, and whether the stream ended."""
+    data: list[Any] = []
+    while len(data) < size:
+        try:
+            value = next(iterator)
+        except StopIteration:
+            return data, True
+        except Exception as error:
+            budget.record_exception(None, "fetch", error)
+        else:
+            data.append(value)
+        budget.saw(1)
+    return data, False

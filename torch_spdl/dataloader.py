@@ -11,8 +11,8 @@ iterator, pin_memory warnings, the IterableDataset length warning, ``len()``) an
 from __future__ import annotations
 
 import asyncio
-import traceback
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch.utils.data
@@ -28,11 +28,15 @@ from .batching import (
     finisher,
     sample_stage,
     sample_tasks,
+    tolerant_batches,
 )
 from .cache import ByteLRU, CacheStats, cached
+from .failures import SKIPPED, FailureBudget, check_max_failures, gather
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .pipeline.stats import StageStats, call_timed
 from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
+from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
 from .workers import worker_starter
@@ -65,6 +69,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     - ``cache_bytes``: keep what the ``load`` hook returned in an LRU cache bounded in bytes
       (:mod:`torch_spdl.cache`), shared by all passes; ``preload=True`` loads every item into it
       on the I/O pool before the first batch (unbounded unless ``cache_bytes`` is given).
+    - ``max_failures``: skip samples that raise, up to this many per pass (an int) or this
+      fraction of the samples seen (a float); past it, :class:`~torch_spdl.FailureBudgetExceeded`
+      lists them (:mod:`torch_spdl.failures`). ``0`` raises the first error, as torch does.
+    - ``stats_interval``: log :meth:`stats` through ``logging`` every so many seconds.
     """
 
     def __init__(
@@ -95,6 +103,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         device_transform: Callable[[Any], Any] | None = None,
         cache_bytes: int | None = None,
         preload: bool = False,
+        max_failures: int | float = 0,
+        stats_interval: float | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -138,6 +148,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._shards_itself = distributed and sampler is None and batch_sampler is None
         self._requested_epoch: int | None = None
         self._shard()
+        self.max_failures = check_max_failures(max_failures)
+        if stats_interval is not None and not (
+            isinstance(stats_interval, (int, float)) and stats_interval > 0
+        ):
+            raise ValueError(
+                f"stats_interval should be a positive number of seconds, got {stats_interval!r}"
+            )
+        self.stats_interval = stats_interval
+        self._stats_probe: StatsProbe | None = None
 
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
@@ -234,7 +253,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def _get_iterator(self) -> _ThreadDataLoaderIter:
-        return _ThreadDataLoaderIter(self)
+        iterator = _ThreadDataLoaderIter(self)
+        self._stats_probe = iterator.stats_probe
+        return iterator
+
+    def stats(self) -> LoaderStats:
+        """Per-stage figures of the latest iterator (also after its pass ended), the bottleneck
+        and a suggestion. See :mod:`torch_spdl.stats`; ``str()`` of the result is a table."""
+        if self._stats_probe is None:
+            return LoaderStats([], 0, 0.0, suggestion="no pass has started yet")
+        return self._stats_probe.report()
 
     def check_worker_number_rationality(self) -> None:
         """torch warns when worker *processes* outnumber CPUs; threads waiting on I/O or running
@@ -255,12 +283,19 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             self._dataset = RankShard(self._dataset, *ranks)
         self._transfer = self._device_transfer(loader)
         self._finish = finisher(self._collate_fn, self._pin_device())
+        self._budget = FailureBudget(loader.max_failures)
+        self._clock = ConsumerClock()
+        self.stats_probe = StatsProbe(self._clock, self._budget)
+        self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
+            self._inline_stats = StageStats("fetch", "inline", 1, 1)
+            self.stats_probe.stages = [self._inline_stats]
             self._fetch = self._inline_fetcher(loader)
         else:
             self._dataset = thread_safe_view(self._dataset)
             self._pipeline = self._start_pipeline(loader)
+            self.stats_probe.stages = self._pipeline.stage_stats
 
     def _device_transfer(self, loader: DataLoader) -> DeviceTransfer | None:
         device = resolve_device(loader.device)
@@ -283,6 +318,12 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
 
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[Any], Any]:
         hooks = loader._hooks
+        if self._budget.enabled and self._dataset_kind == _DatasetKind.Iterable:
+            batches = self._tolerant_batches(self._dataset)
+            return lambda index: next(batches)
+        if self._budget.enabled and hooks is None:
+            fetch = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+            return lambda index: fetch(FetchTask(index))
         if self._dataset_kind == _DatasetKind.Iterable or hooks is None:
             fetcher = _DatasetKind.create_fetcher(
                 self._dataset_kind,
@@ -297,6 +338,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             load_async = load
             load = lambda index: asyncio.run(load_async(index))  # noqa: E731
         preprocess = hooks.preprocess
+        if self._budget.enabled:
+            return self._tolerant_inline(load, preprocess)
 
         def fetch(index: Any) -> Any:
             if not self._auto_collation:
@@ -304,6 +347,24 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             return self._finish([preprocess(load(i)) for i in index])
 
         return fetch
+
+    def _tolerant_inline(
+        self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]
+    ) -> Callable[[Any], Any]:
+        steps = [("load", load), ("preprocess", preprocess)]
+
+        def fetch(index: Any) -> Any:
+            indices = index if self._auto_collation else [index]
+            data = gather(indices, steps, self._budget)
+            if not data and indices:
+                return SKIPPED
+            return self._finish(data if self._auto_collation else data[0])
+
+        return fetch
+
+    def _tolerant_batches(self, dataset: Any) -> Iterator[Any]:
+        batch_size = self._index_sampler.batch_size if self._auto_collation else None
+        return tolerant_batches(dataset, batch_size, self._drop_last, self._finish, self._budget)
 
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
@@ -328,7 +389,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",
-                    batch_fetcher(self._dataset, self._auto_collation, self._finish),
+                    batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget),
                     self._num_workers,
                     describe=FetchTask.describe,
                     on_start=start,
@@ -365,7 +426,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
         io_seed = self._base_seed + self._num_workers
         io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
-        assembler = Assembler(self._auto_collation, self._finish)
+        assembler = Assembler(self._auto_collation, self._finish, self._budget)
         return [
             Stage(
                 "load",
@@ -393,6 +454,10 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         kind, dataset, auto = self._dataset_kind, self._dataset, self._auto_collation
         finish, drop_last = self._finish, self._drop_last
         index = [None] * self._index_sampler.batch_size if auto else None
+        if self._budget.enabled:
+            batch_size = self._index_sampler.batch_size if auto else None
+            args = (dataset, batch_size, drop_last, finish, self._budget)
+            return lambda worker_id: tolerant_batches(*args)
 
         def batches(worker_id: int) -> Iterable[Any]:
             fetcher = _DatasetKind.create_fetcher(kind, dataset, auto, finish, drop_last)
@@ -406,40 +471,56 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_data(self) -> Any:
-        if self._pipeline is None:
-            data = self._fetch(self._next_index())
-            if self._transfer is not None:
-                data = self._transfer(data)  # in the calling thread too, with num_workers=0
-        else:
+        started = self._clock.waiting()
+        while True:
             try:
-                data = self._pipeline.get(self._timeout or None)
-            except TimeoutError:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+                data = self._next_batch()
+            except StopIteration:
+                self._budget.check()  # failures in the last batches count too
+                raise
+            if self._budget.enabled:
+                self._budget.check()
+            if data is not SKIPPED:  # a batch whose every sample failed, within the budget
+                break
+        self._clock.got(started)
         return data if self._transfer is None else self._transfer.hand_over(data)
 
-    def __next__(self) -> Any:
+    def _next_batch(self) -> Any:
+        """The next batch from the pipeline, or fetched here when there are no workers."""
         if self._pipeline is None:
-            return super().__next__()
-        try:
-            return super().__next__()
-        except StopIteration:
-            raise
-        except Exception as error:
-            # The traceback holds this frame, and with it the iterator and its threads, for as long
-            # as the caller keeps the exception. torch keeps the iterator usable after an error,
-            # so we do not close it; we only let a dropped iterator be collected.
-            traceback.clear_frames(error.__traceback__)
-            del self
-            raise
+            data = call_timed(self._inline_stats.record(0), self._fetch, self._next_index())
+            if self._transfer is not None and data is not SKIPPED:
+                data = self._transfer(data)  # in the calling thread too, with num_workers=0
+            self._report.maybe_log()
+            return data
+        deadline = None if not self._timeout else time.monotonic() + self._timeout
+        while True:
+            limits = [self._report.wait_limit()]
+            if deadline is not None:
+                limits.append(max(0.0, deadline - time.monotonic()))
+            limit = min((x for x in limits if x is not None), default=None)
+            try:
+                data = self._pipeline.get(limit)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"DataLoader timed out after {self._timeout} seconds"
+                    ) from None
+                self._report.maybe_log()
+                continue
+            self._report.maybe_log()
+            return data
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         # A persistent iterator outlives a process group coming up: read the sampler anew.
         self._index_sampler = loader._index_sampler
+        self._budget.reset()  # the budget is per pass
         super()._reset(loader, first_iter)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again
             self._pipeline = self._start_pipeline(loader)
+            self.stats_probe.stages = self._pipeline.stage_stats
         elif self._dataset_kind == _DatasetKind.Iterable:
             self._pipeline.restart()
         else:

@@ -15,6 +15,7 @@ from .items import End, Failure
 from .pipeline import Pipeline
 from .sources import SharedSource, WorkerSource
 from .stages import Stage, Stream
+from .stats import StageReport
 
 __all__ = [
     "Channel",
@@ -25,6 +26,7 @@ __all__ = [
     "SharedSource",
     "Slots",
     "Stage",
+    "StageReport",
     "StopSignal",
     "Stopped",
     "Stream",

@@ -91,6 +91,14 @@ class Channel(Generic[T]):
             self._items.append(item)
             self._not_empty.notify()
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __len__(self) -> int:
+        """Items waiting now (a snapshot, for statistics)."""
+        return len(self._items)
+
     def empty(self) -> bool:
         """Whether nothing is waiting; a hint only, as another thread may put or get at once."""
         return not self._items

@@ -22,11 +22,17 @@ class Failure:
 
     wrapper: ExceptionWrapper
     item: Any = None  # the value the stage failed on, so later stages still know what it was
+    stage: str | None = None  # the stage that raised, where one did
 
     @classmethod
-    def capture(cls, where: str, item: Any = None) -> Failure:
+    def capture(cls, where: str, item: Any = None, stage: str | None = None) -> Failure:
         """Wrap the exception being handled; call only inside an ``except`` block."""
-        return cls(ExceptionWrapper(where=where), item)
+        return cls(ExceptionWrapper(where=where), item, stage)
+
+    def error(self) -> str:
+        """The exception as ``"Type: message"`` (the last line of the worker's traceback)."""
+        lines = self.wrapper.exc_msg.strip().splitlines()
+        return lines[-1] if lines else self.wrapper.exc_type.__name__
 
     def reraise(self) -> NoReturn:
         self.wrapper.reraise()

@@ -20,6 +20,7 @@ from .items import Failure
 from .ordering import EpochEnd, Sink
 from .sources import SharedReader, SharedSource, WorkerSource
 from .stages import AsyncStageRunner, Stage, Stream, map_loop, stream_loop, worker_source_loop
+from .stats import StageReport, StageStats
 
 T = TypeVar("T")
 
@@ -58,6 +59,7 @@ class _Runtime:
         self.inboxes: list[Channel] = []
         self.worker_slots: list[Slots | None] = []
         self.streams = [stage for stage in stages if isinstance(stage, Stream)]
+        self.stats: list[StageStats] = []
         self.epoch = -1
         self._starting = 0  # threads that have not finished their on_start yet
         self._start_lock = threading.Lock()
@@ -108,10 +110,11 @@ class _Runtime:
         ]
         self.inboxes = [Channel(1, self.stop) for _ in range(n)]
         out = self._channel(2 * n, producers=n)
+        stats = self._stats(source.name, "thread", n, out)
         self._starting += n
         for worker, (inbox, slots) in enumerate(zip(self.inboxes, self.worker_slots, strict=True)):
             name = f"{source.name}:{worker}"
-            self._thread(worker_source_loop, name, source, worker, inbox, out, slots, self)
+            self._thread(worker_source_loop, name, source, worker, inbox, out, slots, self, stats)
         return out, n, self._release_worker_slot
 
     def _release_worker_slot(self, seq: int) -> None:
@@ -119,22 +122,30 @@ class _Runtime:
         if slots is not None:
             slots.release(seq)
 
+    def _stats(self, name: str, kind: str, workers: int, out: Channel) -> StageStats:
+        stats = StageStats(name, kind, workers, out.capacity)
+        self.stats.append(stats)
+        return stats
+
     def _build_stage(self, stage: Stage | Stream, upstream: Any, producers: int) -> tuple[Any, int]:
         if isinstance(stage, Stream):
             out = self._channel(2, producers=1)
-            self._thread(stream_loop, stage.name, stage, upstream, out, self)
+            stats = self._stats(stage.name, "stream", 1, out)
+            self._thread(stream_loop, stage.name, stage, upstream, out, self, stats)
             return out, producers
         if stage.is_async:
             self._starting += 1
             out = self._channel(2 * stage.concurrency, producers=1)
-            self.threads.extend(
-                AsyncStageRunner(stage, upstream, out, self).threads(f"{self.name}:{stage.name}")
-            )
+            stats = self._stats(stage.name, "async", stage.concurrency, out)
+            runner = AsyncStageRunner(stage, upstream, out, self, stats)
+            self.threads.extend(runner.threads(f"{self.name}:{stage.name}"))
             return out, producers
         out = self._channel(2 * stage.concurrency, producers=stage.concurrency)
+        stats = self._stats(stage.name, "thread", stage.concurrency, out)
         self._starting += stage.concurrency
         for worker in range(stage.concurrency):
-            self._thread(map_loop, f"{stage.name}:{worker}", stage, worker, upstream, out, self)
+            name = f"{stage.name}:{worker}"
+            self._thread(map_loop, name, stage, worker, upstream, out, self, stats)
         return out, producers
 
     # -- running ----------------------------------------------------------------------------
@@ -275,6 +286,15 @@ class Pipeline(Generic[T]):
             raise RuntimeError("restart() on a closed pipeline")
         self._runtime.start_epoch(source)
         self._running = True
+
+    def stats(self) -> list[StageReport]:
+        """Per-stage figures since the pipeline started, in data-flow order (a snapshot)."""
+        return [stats.report() for stats in self.stage_stats]
+
+    @property
+    def stage_stats(self) -> list[StageStats]:
+        """The live per-stage records (they hold no thread, so they may outlive the pipeline)."""
+        return self._runtime.stats
 
     @property
     def closed(self) -> bool:

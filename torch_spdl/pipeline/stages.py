@@ -15,12 +15,14 @@ import functools
 import inspect
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .channel import Channel, Closed, Slots, Stopped, StopSignal
 from .items import End, Failure, is_control
+from .stats import StageStats, WorkerRecord, call_timed
 
 Item = tuple[int, Any]
 
@@ -117,43 +119,59 @@ def run_on_start(stage: Stage | Any, worker: int, runtime: Runtime) -> bool:
     return True
 
 
-def map_loop(stage: Stage, worker: int, upstream: Input, out: Channel, runtime: Runtime) -> None:
+def map_loop(
+    stage: Stage, worker: int, upstream: Input, out: Channel, runtime: Runtime, stats: StageStats
+) -> None:
     """One worker thread of a synchronous :class:`Stage`."""
     try:
         if not run_on_start(stage, worker, runtime):
             return
-        fn = stage.fn
+        fn, record = stage.fn, stats.record(worker)
         while True:
             seq, value = upstream.get()
             if not is_control(value):
                 try:
-                    value = fn(value)
+                    value = call_timed(record, fn, value)
                 except Exception:
-                    value = Failure.capture(stage.where(value, worker), value)
+                    value = Failure.capture(stage.where(value, worker), value, stage.name)
             out.put((seq, value))
+            record.filled(len(out))
     except (Closed, Stopped):
         pass
     finally:
         out.close()
 
 
-def stream_loop(stage: Stream, upstream: Input, out: Channel, runtime: Runtime) -> None:
-    """The one thread of a :class:`Stream` stage."""
+def stream_loop(
+    stage: Stream, upstream: Input, out: Channel, runtime: Runtime, stats: StageStats
+) -> None:
+    """The one thread of a :class:`Stream` stage.
+
+    Its task time per output item is the time spent in ``fn`` less the time ``fn`` spent waiting
+    for upstream items, so a stream that merely waits does not look busy.
+    """
+    waited = [0.0, 0.0]  # wall and CPU seconds spent in upstream.get()
 
     def data() -> Iterator[Item]:
         while True:
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 seq, value = upstream.get()
             except Closed:
                 return
+            finally:
+                waited[0] += time.perf_counter() - start
+                waited[1] += time.thread_time() - cpu
             if isinstance(value, End):
                 out.put((seq, value))
             else:
                 yield seq, value
 
     try:
-        for item in stage.fn(data()):
+        record = stats.record(0)
+        for item in _timed(stage.fn(data()), record, _failed_item, waited):
             out.put(item)
+            record.filled(len(out))
     except Stopped:
         pass
     except Exception:
@@ -169,8 +187,11 @@ class AsyncStageRunner:
     schedules one task per item; the loop thread runs them. The stop signal cancels every task.
     """
 
-    def __init__(self, stage: Stage, upstream: Input, out: Channel, runtime: Runtime) -> None:
+    def __init__(
+        self, stage: Stage, upstream: Input, out: Channel, runtime: Runtime, stats: StageStats
+    ) -> None:
         self.stage = stage
+        self.record = stats.record(0)  # written by the loop thread only
         self.upstream = upstream
         self.out = out
         self.runtime = runtime
@@ -221,13 +242,17 @@ class AsyncStageRunner:
 
     async def _handle(self, seq: int, value: Any) -> None:
         if not is_control(value):
+            start = time.perf_counter()
             try:
                 value = await self.stage.fn(value)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                value = Failure.capture(self.stage.where(value), value)
+                value = Failure.capture(self.stage.where(value), value, self.stage.name)
+            # time in flight, not on a CPU: the loop thread's CPU time is shared by every task
+            self.record.add(time.perf_counter() - start, 0.0, isinstance(value, Failure))
         self.out.put((seq, value))
+        self.record.filled(len(self.out))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
@@ -259,6 +284,7 @@ def worker_source_loop(
     out: Channel,
     slots: Slots | None,
     runtime: Runtime,
+    stats: StageStats,
 ) -> None:
     """One thread of a :class:`~.sources.WorkerSource`: one epoch per ``(epoch, base)`` received.
 
@@ -266,13 +292,15 @@ def worker_source_loop(
     try:
         if not run_on_start(source, worker, runtime):
             return
+        record = stats.record(worker)
         while True:
             epoch, base = inbox.get()
             seqs = itertools.count(base + worker, source.workers)
-            for value in _guarded(source, worker):
+            for value in _timed(_guarded(source, worker), record, _is_failure):
                 if not inbox.empty() or (slots is not None and not slots.acquire(epoch)):
                     break  # a new epoch began: abandon this one, as torch resets its workers
                 out.put((next(seqs), value))
+                record.filled(len(out))
             else:
                 seq = next(seqs)
                 count = (seq - base - worker) // source.workers
@@ -281,6 +309,35 @@ def worker_source_loop(
         pass
     finally:
         out.close()
+
+
+def _timed(
+    iterator: Iterator[Any],
+    record: WorkerRecord,
+    failed: Callable[[Any], bool],
+    waited: list[float] | None = None,
+) -> Iterator[Any]:
+    """Iterate, adding the wall and CPU time each ``next()`` took (less what ``waited`` grew by
+    meanwhile: time spent waiting upstream) to ``record``, as failed where ``failed(value)``."""
+    waited = waited or [0.0, 0.0]
+    while True:
+        start, cpu = time.perf_counter(), time.thread_time()
+        wall_before, cpu_before = waited
+        try:
+            value = next(iterator)
+        except StopIteration:
+            return
+        seconds = time.perf_counter() - start - (waited[0] - wall_before)
+        record.add(seconds, time.thread_time() - cpu - (waited[1] - cpu_before), failed(value))
+        yield value
+
+
+def _is_failure(value: Any) -> bool:
+    return isinstance(value, Failure)
+
+
+def _failed_item(item: Item) -> bool:
+    return isinstance(item[1], Failure)
 
 
 def _guarded(source: Any, worker: int) -> Iterator[Any]:

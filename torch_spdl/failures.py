@@ -1,0 +1,150 @@
+"""The failure budget (``max_failures=``): skip bad samples, up to a limit, instead of stopping.
+
+A long training job should not die on the one corrupt JPEG in a million, nor silently train on a
+dataset that is half unreadable. With a budget, a sample whose ``load``/``preprocess``/
+``__getitem__`` raises is left out of its batch, logged once (index, stage, exception) and
+counted; once the count goes past the budget the consumer gets :class:`FailureBudgetExceeded`
+listing what failed. ``max_failures=0`` (the default) keeps torch's behaviour: the first error is
+raised as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("torch_spdl")
+
+LISTED = 20  # failures spelled out in the error; the rest are counted
+
+
+class FailureBudgetExceeded(RuntimeError):
+    """More samples failed than ``max_failures`` allows; ``failures`` lists them all."""
+
+    def __init__(self, message: str, failures: list[SampleFailure]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """One skipped sample: its dataset index (None in an IterableDataset's stream), the stage
+    that raised and the exception as ``"Type: message"``."""
+
+    index: Any
+    stage: str
+    error: str
+
+    def __str__(self) -> str:
+        where = "a sample" if self.index is None else f"dataset index {self.index}"
+        return f"{where} in stage {self.stage!r}: {self.error}"
+
+
+def check_max_failures(value: Any) -> int | float:
+    """torch-style validation of the ``max_failures`` argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"max_failures should be an int (a count) or a float (a fraction of the samples "
+            f"seen), got {value!r}"
+        )
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"max_failures should be a non-negative count, got {value}")
+    if isinstance(value, float) and not 0.0 <= value < 1.0:
+        raise ValueError(f"max_failures as a fraction should be in [0, 1), got {value}")
+    return value
+
+
+class FailureBudget:
+    """Thread-safe count of samples seen and failures skipped in one pass.
+
+    A float budget allows ``ceil(max_failures × samples seen)`` failures, so the first failure is
+    tolerated even before many samples have been seen, and the allowance grows with the pass.
+    """
+
+    def __init__(self, max_failures: int | float) -> None:
+        self.max_failures = check_max_failures(max_failures)
+        self._lock = threading.Lock()
+        self.reset()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_failures != 0
+
+    def reset(self) -> None:
+        """A new pass: nothing seen, nothing failed."""
+        with self._lock:
+            self.seen = 0
+            self.failures: list[SampleFailure] = []
+
+    def saw(self, samples: int) -> None:
+        with self._lock:
+            self.seen += samples
+
+    def record(self, index: Any, stage: str, error: str) -> None:
+        """Count a skipped sample and log it (once: each failure is recorded once)."""
+        failure = SampleFailure(index, stage, error)
+        with self._lock:
+            self.failures.append(failure)
+        logger.warning("torch_spdl skipped %s", failure)
+
+    def record_exception(self, index: Any, stage: str, error: BaseException) -> None:
+        self.record(index, stage, f"{type(error).__name__}: {error}")
+
+    def allowed(self) -> float:
+        if isinstance(self.max_failures, float):
+            return math.ceil(self.max_failures * self.seen)
+        return self.max_failures
+
+    def check(self) -> None:
+        """Raise :class:`FailureBudgetExceeded` once failures are past the budget."""
+        with self._lock:
+            failures, allowed = list(self.failures), self.allowed()
+        if len(failures) <= allowed:
+            return
+        listed = "\n".join(f"  - {failure}" for failure in failures[:LISTED])
+        more = f"\n  ... and {len(failures) - LISTED} more" if len(failures) > LISTED else ""
+        budget = f"max_failures={self.max_failures!r}" + (
+            f" ({allowed} of {self.seen} samples seen)"
+            if isinstance(self.max_failures, float)
+            else ""
+        )
+        raise FailureBudgetExceeded(
+            f"{len(failures)} samples failed, more than {budget} allows:\n{listed}{more}",
+            failures,
+        )
+
+
+Step = tuple[str, Callable[[Any], Any]]  # (stage name, function)
+
+
+def gather(indices: Iterable[Any], steps: Sequence[Step], budget: FailureBudget) -> list[Any]:
+    """Run each index through ``steps``; leave out (and record) the samples where one raises."""
+    data = []
+    seen = 0
+    for index in indices:
+        seen += 1
+        value = index
+        for stage, fn in steps:
+            try:
+                value = fn(value)
+            except Exception as error:
+                budget.record_exception(index, stage, error)
+                break
+        else:
+            data.append(value)
+    budget.saw(seen)
+    return data
+
+
+class Skipped:
+    """What a batch whose every sample failed becomes: the consumer moves on to the next one."""
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED = Skipped()
