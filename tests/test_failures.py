@@ -100,8 +100,11 @@ def test_budget_is_per_pass(folders):
 def test_past_the_budget_an_error_lists_the_failures(folders, num_workers):
     dataset = folder(folders[0])
     loader = DataLoader(dataset, batch_size=4, num_workers=num_workers, max_failures=2)
+    iterator = iter(loader)
     with pytest.raises(FailureBudgetExceeded, match=r"more than max_failures=2 allows") as info:
-        list(loader)
+        for _ in iterator:
+            pass
+    assert list(iterator) == []  # the pass is over: its threads are stopped
     failures = info.value.failures
     assert len(failures) > 2
     assert {f.index for f in failures} <= bad_indices(dataset)
@@ -109,9 +112,10 @@ def test_past_the_budget_an_error_lists_the_failures(folders, num_workers):
         assert f"dataset index {failure.index} in stage 'preprocess'" in str(info.value)
 
 
-@pytest.mark.parametrize("fraction, passes", [(0.25, True), (0.1, False)])
+@pytest.mark.parametrize("fraction, passes", [(0.5, True), (0.1, False)])
 def test_a_float_budget_is_a_fraction_of_the_samples_seen(folders, fraction, passes):
-    # 5 bad in 24: within 25 % (ceil(0.25 * 24) = 6), past 10 % (ceil(0.1 * 24) = 3)
+    # Bad indices 1, 2 | 7 | 11 | 21 in batches of 4: within half of what was seen after any
+    # batch, whatever order they complete in; past ceil(0.1 * 24) = 3 by the end at the latest.
     loader = DataLoader(folder(folders[0]), batch_size=4, num_workers=2, max_failures=fraction)
     if passes:
         assert sum(len(labels) for _, labels in loader) == GOOD - 5
@@ -126,7 +130,7 @@ def test_without_a_budget_the_first_error_is_raised_as_torch_raises_it(folders, 
         list(torch.utils.data.DataLoader(folder(folders[0]), batch_size=4))
     loader = DataLoader(folder(folders[0]), batch_size=4, num_workers=num_workers)
     # like torch: the bare exception in the main thread, the worker's place named from a worker
-    with pytest.raises(UnidentifiedImageError, match="dataset index" if num_workers else ""):
+    with pytest.raises(UnidentifiedImageError, match="dataset index" if num_workers else None):
         list(loader)
 
 

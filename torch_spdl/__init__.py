@@ -6,12 +6,14 @@ from . import io, pipeline, transforms
 from .dataloader import DataLoader
 from .failures import FailureBudgetExceeded
 from .hooks import StagedDataset
+from .profiling import profile
 
 __all__ = [
     "DataLoader",
     "FailureBudgetExceeded",
     "StagedDataset",
     "get_worker_info",
+    "profile",
     "io",
     "pipeline",
     "transforms",

@@ -31,7 +31,7 @@ from .batching import (
     tolerant_batches,
 )
 from .cache import ByteLRU, CacheStats, cached
-from .failures import SKIPPED, FailureBudget, check_max_failures, gather
+from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures, gather
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stats import StageStats, call_timed
@@ -476,14 +476,23 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             try:
                 data = self._next_batch()
             except StopIteration:
-                self._budget.check()  # failures in the last batches count too
+                self._check_budget()  # failures in the last batches count too
                 raise
             if self._budget.enabled:
-                self._budget.check()
+                self._check_budget()
             if data is not SKIPPED:  # a batch whose every sample failed, within the budget
                 break
         self._clock.got(started)
         return data if self._transfer is None else self._transfer.hand_over(data)
+
+    def _check_budget(self) -> None:
+        """Past the failure budget the pass is over: stop its threads, then say why."""
+        try:
+            self._budget.check()
+        except FailureBudgetExceeded:
+            self.close()
+            self._sampler_iter = iter(())  # nothing more to fetch inline either
+            raise
 
     def _next_batch(self) -> Any:
         """The next batch from the pipeline, or fetched here when there are no workers."""

@@ -79,6 +79,7 @@ class FailureBudget:
         with self._lock:
             self.seen = 0
             self.failures: list[SampleFailure] = []
+            self.exceeded = False
 
     def saw(self, samples: int) -> None:
         with self._lock:
@@ -100,11 +101,13 @@ class FailureBudget:
         return self.max_failures
 
     def check(self) -> None:
-        """Raise :class:`FailureBudgetExceeded` once failures are past the budget."""
+        """Raise :class:`FailureBudgetExceeded` once failures are past the budget (once: the pass
+        ends with it)."""
         with self._lock:
             failures, allowed = list(self.failures), self.allowed()
-        if len(failures) <= allowed:
-            return
+            if self.exceeded or len(failures) <= allowed:
+                return
+            self.exceeded = True
         listed = "\n".join(f"  - {failure}" for failure in failures[:LISTED])
         more = f"\n  ... and {len(failures) - LISTED} more" if len(failures) > LISTED else ""
         budget = f"max_failures={self.max_failures!r}" + (
