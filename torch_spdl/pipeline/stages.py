@@ -134,8 +134,9 @@ def map_loop(
                     value = call_timed(record, fn, value)
                 except Exception:
                     value = Failure.capture(stage.where(value, worker), value, stage.name)
+            if record.samples_cpu():  # one item in 8 here too: the fill is a mean anyway
+                record.filled(len(out))
             out.put((seq, value))
-            record.filled(len(out))
     except (Closed, Stopped):
         pass
     finally:
@@ -250,7 +251,7 @@ class AsyncStageRunner:
             except Exception:
                 value = Failure.capture(self.stage.where(value), value, self.stage.name)
             # time in flight, not on a CPU: the loop thread's CPU time is shared by every task
-            self.record.add(time.perf_counter() - start, 0.0, isinstance(value, Failure))
+            self.record.add(time.perf_counter() - start, None, isinstance(value, Failure))
         self.out.put((seq, value))
         self.record.filled(len(self.out))
 
