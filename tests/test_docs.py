@@ -21,6 +21,7 @@ RUNNABLE = (
     + blocks("docs/api.md")
     + blocks("docs/distributed.md")
     + blocks("docs/gpu.md")
+    + blocks("docs/tuning.md")
 )
 
 
