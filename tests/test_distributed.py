@@ -159,6 +159,7 @@ def test_each_rank_resumes_its_own_remaining_batches(ranks, name):
         got = flat(scenario["taken"] + scenario["rest"])
         if name == "resume_in_order":
             assert got == epoch1[rank]
+            assert flat(scenario["from_between"]) == epoch1[rank]
             assert flat(scenario["next"]) == epoch2[rank]
         else:  # the same samples of this rank's shard, none lost or repeated
             assert sorted(got) == sorted(epoch1[rank])
