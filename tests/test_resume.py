@@ -625,3 +625,44 @@ def test_progress_stays_compact_and_counts_what_it_holds():
     assert Progress.from_state(done.state()).state() == done.state()
     with pytest.raises(ValueError):
         Progress.from_state({"prefix": 3, "later": [2]})
+
+
+# -- Lightning -----------------------------------------------------------------------------------
+def test_lightning_fit_resumed_from_a_mid_epoch_checkpoint_sees_the_remaining_batches(tmp_path):
+    """Lightning saves and loads the train loader's state with its checkpoints."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen: list[list[int]] = []
+
+    class Model(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            seen.append(batch.tolist())
+            return self.layer(batch.float()[:, None]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(**kwargs: Any) -> None:
+        loader = DataLoader(
+            list(range(20)),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(1),
+        )
+        options = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer_kwargs = {k: v for k, v in kwargs.items() if k != "ckpt_path"}
+        trainer = lightning.Trainer(accelerator="cpu", max_epochs=2, **options, **trainer_kwargs)
+        trainer.fit(Model(), loader, ckpt_path=kwargs.get("ckpt_path"))
+
+    every = ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=7, save_top_k=-1)
+    fit(callbacks=[every])
+    uninterrupted = list(seen)
+    seen.clear()
+    fit(enable_checkpointing=False, ckpt_path=tmp_path / "step=7.ckpt")  # 2 batches into epoch 1
+    assert len(uninterrupted) == 10 and seen == uninterrupted[7:]
