@@ -123,7 +123,46 @@ def scenarios() -> dict:
 
     stream = DataLoader(Stream(41), batch_size=4, num_workers=2)
     out["iterable"] = {**facts(stream), "epochs": epochs(stream, 2)}
+
+    out["resume_in_order"] = resume_scenario(in_order=True)
+    out["resume_completion_order"] = resume_scenario(in_order=False)
     return out
+
+
+def resume_scenario(in_order: bool) -> dict:
+    """Each rank cuts its second epoch after 2 batches, resumes from its own state in a fresh
+    loader, and tries the other rank's state (which must be refused); a state taken between
+    the epochs starts the second one."""
+
+    def make() -> DataLoader:
+        return DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2, in_order=in_order)
+
+    loader = make()
+    epochs(loader, 1)
+    between = loader.state_dict()  # epoch 0 is over: a loader given this starts epoch 1
+    it = iter(loader)
+    taken = [torch.as_tensor(next(it)).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it, loader
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    fresh = make()
+    fresh.load_state_dict(states[dist.get_rank()])
+    rest, following = epochs(fresh, 2)
+    from_between = make()
+    from_between.load_state_dict(between)
+    try:
+        make().load_state_dict(states[1 - dist.get_rank()])
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "taken": taken,
+        "rest": rest,
+        "next": following,
+        "other_rank_refused": refused,
+        "from_between": epochs(from_between, 1)[0],
+    }
 
 
 def built_before_the_group() -> DataLoader:

@@ -149,3 +149,20 @@ def test_persistent_iterator_from_before_the_group_is_sharded_afterwards(ranks):
 def test_set_epoch_before_the_group_is_kept(ranks):
     got = [flat(result["asked_early"]["epochs"][0]) for result in ranks]
     assert got == reference(40, 4, seed=0)
+
+
+@pytest.mark.parametrize("name", ["resume_in_order", "resume_completion_order"])
+def test_each_rank_resumes_its_own_remaining_batches(ranks, name):
+    epoch1, epoch2 = reference(40, 1, seed=0), reference(40, 2, seed=0)
+    for rank, result in enumerate(ranks):
+        scenario = result[name]
+        got = flat(scenario["taken"] + scenario["rest"])
+        if name == "resume_in_order":
+            assert got == epoch1[rank]
+            assert flat(scenario["from_between"]) == epoch1[rank]
+            assert flat(scenario["next"]) == epoch2[rank]
+        else:  # the same samples of this rank's shard, none lost or repeated
+            assert sorted(got) == sorted(epoch1[rank])
+            assert sorted(flat(scenario["next"])) == sorted(epoch2[rank])
+        assert len(scenario["taken"]) == 2 and len(scenario["rest"]) == 3
+        assert "rank" in scenario["other_rank_refused"]

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch.utils.data
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
+from . import resume
 from .batching import (
     Assembler,
     FetchTask,
@@ -147,6 +149,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
         self._shards_itself = distributed and sampler is None and batch_sampler is None
         self._requested_epoch: int | None = None
+        self._pass: resume.PassRecord | None = None  # the latest iterator's pass, for state_dict()
+        self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
         self.max_failures = check_max_failures(max_failures)
         if stats_interval is not None and not (
@@ -231,6 +235,26 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
 
+    # -- checkpointing (see torch_spdl.resume) ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest iterator stands, in plain values, for a training checkpoint.
+
+        It counts the batches handed to the caller (not those prefetched), so a loader built
+        the same way and given it by :meth:`load_state_dict` yields exactly the rest of the
+        epoch, then the epochs an uninterrupted run would have.
+        """
+        self._shard()
+        return resume.loader_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict()`` of a loader built the same way (``ValueError`` if it
+        was not): the next ``iter(self)`` yields the rest of the pass that state was taken in."""
+        self._shard()
+        self._resume = resume.load_state(self, state_dict)
+        if self._iterator is not None:  # persistent threads hold the old seeds: start anew
+            self._iterator.close()
+            self._iterator = None
+
     def __iter__(self) -> Any:
         if self._cache is None:  # cache_bytes or preload may have been set after construction
             self._cache = self._make_cache()
@@ -271,7 +295,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
 class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
+        resumed = resume.take_continuation(loader)
+        with resume.global_rng_untouched(resumed is not None and loader.generator is None):
+            super().__init__(loader)  # a resumed pass's seeds come from the state
+        self._pass = resume.start_pass(self, loader, resumed, prime=self._num_workers > 0)
         if self._num_workers == 0 and self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         if self._num_workers > 0 and loader.prefetch_factor <= 0:
@@ -470,6 +497,11 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         return batches
 
     # -- iteration --------------------------------------------------------------------------------
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._pass.took()
+        return index
+
     def _next_data(self) -> Any:
         started = self._clock.waiting()
         while True:
@@ -517,14 +549,33 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                     ) from None
                 self._report.maybe_log()
                 continue
+            finally:
+                self._pass.delivered(self._pipeline.last_index)  # a raised batch counts too
             self._report.maybe_log()
             return data
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except StopIteration:
+            self._pass.finished = True
+            raise
+        except Exception as error:
+            if self._pipeline is None:
+                raise
+            # The traceback holds this frame, and with it the iterator and its threads, for as long
+            # as the caller keeps the exception. torch keeps the iterator usable after an error,
+            # so we do not close it; we only let a dropped iterator be collected.
+            traceback.clear_frames(error.__traceback__)
+            del self
+            raise
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         # A persistent iterator outlives a process group coming up: read the sampler anew.
         self._index_sampler = loader._index_sampler
         self._budget.reset()  # the budget is per pass
         super()._reset(loader, first_iter)
+        self._pass = resume.start_pass(self, loader, None, prime=self._num_workers > 0)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again

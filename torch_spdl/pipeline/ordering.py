@@ -32,6 +32,9 @@ class Sink:
         self._in_order = in_order
         self._producers = producers
         self._release = release
+        # Position in its epoch (seq minus the epoch's base) of what the last next() delivered,
+        # None if it delivered nothing: how a consumer knows which input an output came from.
+        self.last_index: int | None = None
         self.start_epoch(-1, 0)
 
     def start_epoch(self, epoch: int, base: int) -> None:
@@ -52,6 +55,7 @@ class Sink:
 
     def _deliver(self, seq: int, value: Any) -> Any:
         self._delivered += 1
+        self.last_index = seq - self._base
         self._release(seq)
         return value
 
@@ -70,6 +74,7 @@ class Sink:
 
     def next(self, timeout: float | None = None) -> Any:
         """The next value of this epoch; :class:`EpochEnd` when it is done."""
+        self.last_index = None
         while True:
             found, value = self._ready()
             if found:

@@ -297,6 +297,12 @@ class Pipeline(Generic[T]):
         return self._runtime.stats
 
     @property
+    def last_index(self) -> int | None:
+        """Which item of the epoch the last :meth:`get` returned or raised for: its position in
+        the source's order (with a numbered source, its group's). None if it gave none."""
+        return self._runtime.sink.last_index
+
+    @property
     def closed(self) -> bool:
         return not self._finalizer.alive
 

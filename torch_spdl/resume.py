@@ -1,0 +1,534 @@
+"""Exact resume: what ``DataLoader.state_dict()`` saves and how a fresh loader continues from it.
+
+A state describes what the *user received* from the loader's latest iterator, not what the
+pipeline prefetched, so a checkpoint taken mid-epoch resumes with exactly the batches an
+uninterrupted run would still have yielded. It holds plain values only (ints, bytes, lists,
+dicts, and whatever a stateful sampler's own ``state_dict()`` returns).
+
+How a pass is replayed:
+
+- **Which batches were received.** The batch sampler's batches are numbered 0, 1, 2, ... in the
+  order it yields them; the pipeline numbers its items the same way (seq minus the epoch's base),
+  and the consumer records every number it hands over, as a contiguous prefix plus the later ones
+  (``in_order=False`` delivers out of order). A resumed pass draws the same batches again and
+  skips the recorded numbers, so nothing is lost or repeated in either order mode.
+- **The same batches again.** torch's ``RandomSampler`` takes its randomness when its pass starts:
+  a seed drawn from the global RNG (``generator=None``) or its generator's state. We start it
+  ourselves, record that seed or state, and run torch's own ``RandomSampler`` code with it, so the
+  permutation is torch's and can be replayed (likewise for ``SubsetRandomSampler`` and
+  ``WeightedRandomSampler`` given a ``generator``). A sampler or batch sampler with
+  ``state_dict``/``load_state_dict`` (torchdata's protocol) is snapshotted after each batch it
+  produces, and a resume loads the snapshot at the first batch not yet received. Any other
+  sampler is fast-forwarded: iterated again from its start with the received batches skipped,
+  which is exact when it is deterministic (``SequentialSampler``, ``DistributedSampler``, a
+  fixed list) and not when it draws from the global RNG on its own.
+- **The RNG streams.** A resumed pass draws nothing from the global RNG or the loader's
+  ``generator``: its ``base_seed`` and the sampler's randomness come from the state, and the
+  generator is set to where it stood, so the pass after it (the next epoch) is the one an
+  uninterrupted run makes — for ``generator=None`` provided the global RNG is restored too
+  (``torch.set_rng_state``), as any exactly resumed training run does.
+- **Epochs.** Under a process group the loader's ``DistributedSampler`` is deterministic per
+  (seed, epoch, rank): the state keeps the pass's epoch, and each rank saves and loads its own.
+
+IterableDatasets are not replayed: their state can be taken between passes (the next pass then
+starts as an uninterrupted run's would), and asking for it mid-pass raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.dataloader import _DatasetKind
+
+from .sampling import AutoEpochSampler
+
+STATE_VERSION = 1
+
+# torch samplers whose randomness is taken lazily, when their pass starts, from ``.generator``
+# (or, for RandomSampler without one, from a seed drawn off the global RNG): replayable.
+_REPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+# -- small helpers -------------------------------------------------------------------------------
+def is_stateful(obj: Any) -> bool:
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict(state)``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """A generator's state as plain bytes (a checkpoint needs no tensor for it)."""
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def set_generator_state(generator: torch.Generator | None, state: bytes | None) -> None:
+    if generator is not None and state is not None:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+@contextlib.contextmanager
+def global_rng_untouched(active: bool) -> Iterator[None]:
+    """Undo the global-RNG draws made inside (the resumed iterator's ``base_seed`` draw, which
+    the interrupted run made before its checkpoint, not after it)."""
+    state = torch.get_rng_state() if active else None
+    try:
+        yield
+    finally:
+        if state is not None:
+            torch.set_rng_state(state)
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _replayable(sampler: Any) -> bool:
+    """Exact types only: a subclass may take its randomness elsewhere."""
+    return type(sampler) in _REPLAYABLE and (
+        type(sampler) is RandomSampler or sampler.generator is not None
+    )
+
+
+def stateful_sampler(index_sampler: Any) -> Any:
+    """The sampler whose ``state_dict`` a state carries: the index sampler (a batch sampler, or
+    the sampler when ``batch_size=None``), else the sampler inside torch's own BatchSampler."""
+    if is_stateful(index_sampler):
+        return index_sampler
+    if type(index_sampler) is BatchSampler and is_stateful(index_sampler.sampler):
+        return index_sampler.sampler
+    return None
+
+
+def epoch_state(sampler: Any) -> dict[str, Any] | None:
+    """A DistributedSampler's epoch; the loader's own one also keeps its pass bookkeeping."""
+    if isinstance(sampler, AutoEpochSampler):
+        return {
+            "epoch": sampler.epoch,
+            "set_by_user": sampler.epoch_set_by_user,
+            "passes": sampler.passes,
+        }
+    if isinstance(sampler, DistributedSampler):
+        return {"epoch": sampler.epoch}
+    return None
+
+
+def restore_epoch(sampler: Any, state: dict[str, Any] | None) -> None:
+    """Put the epoch back. With only ``epoch`` (a pass being resumed), ``set_epoch`` marks it as
+    chosen, so the resumed pass keeps it and the loader moves on after it, as it would have."""
+    if state is None or not isinstance(sampler, DistributedSampler):
+        return
+    if "passes" in state and isinstance(sampler, AutoEpochSampler):
+        DistributedSampler.set_epoch(sampler, state["epoch"])
+        sampler.epoch_set_by_user = state["set_by_user"]
+        sampler.passes = state["passes"]
+    else:
+        sampler.set_epoch(state["epoch"])
+
+
+# -- which batches the user received ---------------------------------------------------------------
+class Progress:
+    """A set of batch numbers kept compact: every number below ``prefix``, plus ``later``."""
+
+    def __init__(self, prefix: int = 0, later: Iterable[int] = ()) -> None:
+        self.prefix = prefix
+        self.later = set(later)
+        self._compact()
+
+    def _compact(self) -> None:
+        while self.prefix in self.later:
+            self.later.remove(self.prefix)
+            self.prefix += 1
+
+    def add(self, number: int) -> None:
+        if number >= self.prefix:
+            self.later.add(number)
+            self._compact()
+
+    def __contains__(self, number: int) -> bool:
+        return number < self.prefix or number in self.later
+
+    def __len__(self) -> int:
+        return self.prefix + len(self.later)
+
+    def copy(self) -> Progress:
+        return Progress(self.prefix, self.later)
+
+    def state(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "later": sorted(self.later)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Progress:
+        prefix, later = state["prefix"], list(state["later"])
+        numbers = [prefix, *later]
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+            raise ValueError(f"batch numbers must be ints, got {state!r}")
+        if prefix < 0 or any(n <= prefix for n in later):
+            raise ValueError(f"malformed yielded batches {state!r}")
+        return cls(prefix, later)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What the next iterator continues from instead of starting afresh."""
+
+    base_seed: int
+    generator: bytes | None  # the loader generator's state as the pass's sampling began
+    sampler_rng: tuple[str, Any] | None  # ("seed", int) or ("state", bytes), when recorded
+    done: Progress  # batch numbers already received
+    start: int  # the number of the first batch the (restored) sampler yields
+
+
+@dataclass
+class Pending:
+    """A loaded state not yet used by an iterator: returned as is by ``state_dict()``."""
+
+    raw: dict[str, Any]
+    continuation: Continuation | None
+
+
+class _Replay:
+    """Iterate a replayable torch sampler, recording (or, on resume, reusing) its randomness.
+
+    With ``generator=None`` torch's RandomSampler draws a seed off the global RNG when its pass
+    starts; we make that same draw, remember it, and run torch's RandomSampler with a generator
+    seeded by it — torch's own code path for that case, so the indices are torch's.
+    """
+
+    def __init__(self, sampler: Any, record: PassRecord) -> None:
+        self._sampler = sampler
+        self._record = record
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Replay:
+        return self
+
+    def __next__(self) -> Any:
+        self.start()
+        return next(self._it)
+
+    def start(self) -> None:
+        if self._it is None:
+            self._it = self._begin()
+
+    def _begin(self) -> Iterator[Any]:
+        sampler, saved = self._sampler, self._record.sampler_rng
+        if sampler.generator is None:
+            if saved is not None and saved[0] != "seed":
+                raise ValueError("the state recorded a sampler generator; this sampler has none")
+            seed = saved[1] if saved else int(torch.empty((), dtype=torch.int64).random_().item())
+            self._record.sampler_rng = ("seed", seed)
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            replica = RandomSampler(
+                sampler.data_source, sampler.replacement, sampler._num_samples, generator
+            )
+            return iter(replica)
+        if saved is not None:
+            if saved[0] != "state":
+                raise ValueError("the state recorded a seed; this sampler has a generator")
+            set_generator_state(sampler.generator, saved[1])
+        self._record.sampler_rng = ("state", generator_state(sampler.generator))
+        return iter(sampler)
+
+
+class PassRecord:
+    """One pass of an iterator: the seeds it started from and the batches the user received.
+
+    The source side (a pipeline thread, or the caller with ``num_workers=0``) runs
+    :meth:`track`'s iterator; the consumer side calls :meth:`delivered`. They share only the
+    sampler snapshots, under a lock.
+    """
+
+    def __init__(
+        self,
+        base_seed: int,
+        generator: bytes | None,
+        epoch: dict[str, Any] | None,
+        continuation: Continuation | None,
+        tracked: bool,
+    ) -> None:
+        self.base_seed = base_seed
+        self.generator = generator
+        self.epoch = epoch
+        self.tracked = tracked  # map-style: batches are numbered and can be replayed
+        self.finished = False  # the iterator raised StopIteration for this pass
+        c = continuation
+        self.sampler_rng = c.sampler_rng if c else None
+        self.skip = c.done if c else Progress()  # received before this pass resumed: not drawn
+        self.done = self.skip.copy()
+        self.start = c.start if c else 0
+        self._skip_later = sorted(self.skip.later)
+        self._taken = 0
+        self._stateful: Any = None
+        self._snapshots: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._replay: _Replay | None = None
+
+    # -- source side ------------------------------------------------------------------------
+    def track(self, index_sampler: Any, created: Iterator[Any], prime: bool) -> Iterator[Any]:
+        """The pass's index stream, built from ``index_sampler`` (``created`` is the iterator
+        torch's ``_BaseDataLoaderIter`` made of it, used as is where we need not rebuild it).
+
+        ``prime`` starts a replayed sampler now, in the calling thread, as torch's worker
+        iterator does when it prefetches: its seed draw never races the user's own draws.
+        """
+        batches = self._batches(index_sampler, created)
+        self._stateful = stateful_sampler(index_sampler)
+        if self._stateful is not None:
+            self._snapshot(self.start)
+        if prime and self._replay is not None:
+            self._replay.start()
+        return self._skipping(batches)
+
+    def _samples(self, sampler: Any) -> Iterator[Any]:
+        if not _replayable(sampler):
+            return iter(sampler)
+        self._replay = _Replay(sampler, self)
+        return self._replay
+
+    def _batches(self, index_sampler: Any, created: Iterator[Any]) -> Iterator[Any]:
+        if is_stateful(index_sampler):
+            return created
+        if type(index_sampler) is BatchSampler:
+            # torch's own BatchSampler over our iterator of its sampler: same grouping code
+            inner = self._samples(index_sampler.sampler)
+            return iter(BatchSampler(inner, index_sampler.batch_size, index_sampler.drop_last))
+        if _replayable(index_sampler):
+            return self._samples(index_sampler)
+        return created
+
+    def _skipping(self, batches: Iterator[Any]) -> Iterator[Any]:
+        number = self.start
+        for batch in batches:
+            number += 1
+            if self._stateful is not None:
+                self._snapshot(number)
+            if number - 1 not in self.skip:
+                yield batch
+
+    def _snapshot(self, drawn: int) -> None:
+        """The sampler's state once ``drawn`` batches have come out of it."""
+        state = copy.deepcopy(self._stateful.state_dict())
+        with self._lock:
+            self._snapshots[drawn] = state
+
+    # -- consumer side ----------------------------------------------------------------------
+    def took(self) -> None:
+        """``num_workers=0``: the caller took the next index batch from the stream."""
+        self.delivered(self._taken)
+        self._taken += 1
+
+    def delivered(self, position: int | None) -> None:
+        """The item at ``position`` of this pass's stream reached the user (or raised)."""
+        if position is None or not self.tracked:
+            return
+        self.done.add(self._number(position))
+        if self._stateful is not None:
+            with self._lock:
+                self._prune()
+
+    def _number(self, position: int) -> int:
+        """The batch number of the ``position``-th batch the stream yields: the skipped ones
+        are all below ``skip.prefix`` or in ``skip.later``."""
+        number = self.skip.prefix + position
+        for skipped in self._skip_later:
+            if skipped > number:
+                break
+            number += 1
+        return number
+
+    def _usable_snapshot(self) -> int:
+        """The snapshot to resume from: the latest one at or before the first batch not
+        received (the source may not have drawn past a skipped batch yet)."""
+        return max(drawn for drawn in self._snapshots if drawn <= self.done.prefix)
+
+    def _prune(self) -> None:
+        keep = self._usable_snapshot()
+        for drawn in [d for d in self._snapshots if d < keep]:
+            del self._snapshots[drawn]
+
+    def state(self) -> dict[str, Any]:
+        sampler_state = None
+        if self._stateful is not None:
+            with self._lock:
+                at = self._usable_snapshot()
+                sampler_state = {"at": at, "state": copy.deepcopy(self._snapshots[at])}
+        return {
+            "base_seed": self.base_seed,
+            "generator": self.generator,
+            "sampler_rng": None if self.sampler_rng is None else list(self.sampler_rng),
+            "epoch": None if self.epoch is None else {"epoch": self.epoch["epoch"]},
+            "yielded": self.done.state(),
+            "sampler_state": sampler_state,
+        }
+
+
+# -- the iterator's side ---------------------------------------------------------------------------
+def take_continuation(loader: Any) -> Continuation | None:
+    """The loaded state for the iterator being made now (it is used once)."""
+    pending, loader._resume = loader._resume, None
+    return None if pending is None else pending.continuation
+
+
+def start_pass(
+    iterator: Any, loader: Any, continuation: Continuation | None, prime: bool
+) -> PassRecord:
+    """Begin recording a pass of ``iterator`` (after torch's own setup made its sampler iterator
+    and drew its ``base_seed``), continuing ``continuation`` if given; replaces its index stream."""
+    if continuation is not None:
+        iterator._base_seed = continuation.base_seed
+        set_generator_state(loader.generator, continuation.generator)
+    record = PassRecord(
+        iterator._base_seed,
+        generator_state(loader.generator),
+        epoch_state(loader.sampler),
+        continuation,
+        tracked=iterator._dataset_kind == _DatasetKind.Map,
+    )
+    if record.tracked:
+        iterator._sampler_iter = record.track(
+            iterator._index_sampler, iterator._sampler_iter, prime
+        )
+        iterator._num_yielded = len(record.done)
+    loader._pass = record
+    return record
+
+
+# -- the loader's side -----------------------------------------------------------------------------
+def describe(loader: Any) -> dict[str, Any]:
+    """What must match between the loader that saved a state and the one loading it."""
+    iterable = loader._dataset_kind == _DatasetKind.Iterable
+    sampler = loader.sampler
+    distributed = isinstance(sampler, DistributedSampler)
+    batch_sampler = loader.batch_sampler
+    return {
+        "dataset": "iterable" if iterable else "map",
+        "dataset_len": _length(loader.dataset),
+        "batches": None if iterable else _length(loader._index_sampler),
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "sampler": type(sampler).__name__,
+        "batch_sampler": None if batch_sampler is None else type(batch_sampler).__name__,
+        "generator": loader.generator is not None,
+        "rank": sampler.rank if distributed else None,
+        "world_size": sampler.num_replicas if distributed else None,
+    }
+
+
+def loader_state(loader: Any) -> dict[str, Any]:
+    """``DataLoader.state_dict()``."""
+    if loader._resume is not None:
+        return copy.deepcopy(loader._resume.raw)
+    state: dict[str, Any] = {"version": STATE_VERSION, "config": describe(loader), "pass": None}
+    record: PassRecord | None = loader._pass
+    if record is not None and not record.finished:
+        if not record.tracked:
+            raise NotImplementedError(
+                "DataLoader.state_dict() in the middle of a pass over an IterableDataset: "
+                "torch_spdl resumes map-style datasets only; take the state between epochs "
+                "(after the iterator is exhausted), or use a map-style dataset"
+            )
+        state["pass"] = record.state()
+        return state
+    target = stateful_sampler(loader._index_sampler)
+    iterator = loader._iterator  # a persistent iterator: its next pass keeps its base_seed
+    state["between"] = {
+        "generator": generator_state(loader.generator),
+        "epoch": epoch_state(loader.sampler),
+        "base_seed": None if iterator is None else iterator._base_seed,
+        "sampler_state": None if target is None else copy.deepcopy(target.state_dict()),
+    }
+    return state
+
+
+def _check_config(loader: Any, state: Any) -> None:
+    if not isinstance(state, dict) or "version" not in state:
+        raise ValueError("not a torch_spdl DataLoader state: expected a dict from state_dict()")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(
+            f"DataLoader state version {state['version']!r} is not supported "
+            f"(this torch_spdl reads version {STATE_VERSION})"
+        )
+    saved, here = state.get("config"), describe(loader)
+    if not isinstance(saved, dict):
+        raise ValueError("not a torch_spdl DataLoader state: it has no 'config'")
+    differences = [
+        f"{key}: {saved.get(key)!r} in the state, {here[key]!r} here"
+        for key in here
+        if saved.get(key) != here[key]
+    ]
+    if differences:
+        raise ValueError(
+            "this DataLoader state was saved by a differently configured DataLoader ("
+            + "; ".join(differences)
+            + "): build the loader as it was when the state was saved"
+        )
+
+
+def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
+    if (target is None) != (saved is None):
+        raise ValueError(
+            "this DataLoader state does not match the sampler: one of them has a "
+            "state_dict()/load_state_dict() and the other not"
+        )
+    if target is not None:
+        target.load_state_dict(copy.deepcopy(saved["state"]))
+
+
+def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
+    done = Progress.from_state(saved["yielded"])
+    batches = _length(loader._index_sampler)
+    if batches is not None and max([done.prefix, *(n + 1 for n in done.later)]) > batches:
+        raise ValueError(f"the state has batch numbers beyond this loader's {batches} batches")
+    restore_epoch(loader.sampler, saved["epoch"])
+    target = stateful_sampler(loader._index_sampler)
+    _load_sampler(target, saved["sampler_state"])
+    rng = saved["sampler_rng"]
+    return Continuation(
+        base_seed=int(saved["base_seed"]),
+        generator=saved["generator"],
+        sampler_rng=None if rng is None else (rng[0], rng[1]),
+        done=done,
+        start=0 if target is None else int(saved["sampler_state"]["at"]),
+    )
+
+
+def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
+    restore_epoch(loader.sampler, saved["epoch"])
+    _load_sampler(stateful_sampler(loader._index_sampler), saved["sampler_state"])
+    reuses_iterator = loader.persistent_workers and loader.num_workers > 0
+    if saved["base_seed"] is None or not reuses_iterator:
+        set_generator_state(loader.generator, saved["generator"])  # the next pass draws from it
+        return None
+    # The saving loader's next pass reuses its iterator, drawing no new base_seed: nor may ours.
+    return Continuation(saved["base_seed"], saved["generator"], None, Progress(), 0)
+
+
+def load_state(loader: Any, state: Any) -> Pending:
+    """``DataLoader.load_state_dict()``: check, apply what applies now, keep the rest pending."""
+    _check_config(loader, state)
+    try:
+        if state["pass"] is not None:
+            continuation: Continuation | None = _continue_pass(loader, state["pass"])
+        else:
+            continuation = _between_passes(loader, state["between"])
+    except (KeyError, TypeError, IndexError) as error:
+        raise ValueError(f"malformed torch_spdl DataLoader state: {error!r}") from error
+    return Pending(copy.deepcopy(state), continuation)
