@@ -32,6 +32,7 @@ from .batching import (
 from .cache import ByteLRU, CacheStats, cached
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .processes import ProcessPool, attach, process_pool, uses_processes
 from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
@@ -47,7 +48,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     Every torch argument keeps its meaning. ``num_workers=0`` loads in the calling thread, like
     torch; ``num_workers=N`` uses N worker *threads* (no processes, no pickling, no copy-on-read).
-    ``multiprocessing_context`` is validated as torch does and otherwise unused.
+    ``multiprocessing_context`` is validated as torch does and used by ``worker_method="process"``.
 
     Keyword-only extras (each kept as a same-named attribute, defaults keep torch's behaviour):
 
@@ -65,6 +66,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     - ``cache_bytes``: keep what the ``load`` hook returned in an LRU cache bounded in bytes
       (:mod:`torch_spdl.cache`), shared by all passes; ``preload=True`` loads every item into it
       on the I/O pool before the first batch (unbounded unless ``cache_bytes`` is given).
+    - ``worker_method``: ``"thread"``, or ``"process"`` to run the CPU stage (``fetch``, or
+      ``preprocess`` with hooks) in ``num_workers`` worker processes, for GIL-bound Python code
+      (see :mod:`torch_spdl.processes`). ``"multiprocessing"`` (torch's name) means ``"process"``.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         device_transform: Callable[[Any], Any] | None = None,
         cache_bytes: int | None = None,
         preload: bool = False,
+        worker_method: str = "thread",
     ) -> None:
         super().__init__(
             dataset,
@@ -131,6 +136,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self.cache_bytes = cache_bytes
         self.preload = preload
+        uses_processes(worker_method)  # validates it
+        self.worker_method = worker_method
         self._cache = self._make_cache()
         self._preloaded = False
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
@@ -308,27 +315,34 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
-        start = worker_starter(
-            loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+        pool = process_pool(self, loader)  # worker processes, or None for worker threads
+        start = (
+            pool.start
+            if pool is not None
+            else worker_starter(
+                loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+            )
         )
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
         if self._dataset_kind == _DatasetKind.Iterable:
             source = WorkerSource(
-                self._iterable_worker(),
+                self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
                 max_in_flight=loader.prefetch_factor,
                 name="fetch",
                 on_start=start,
             )
-            return Pipeline(source, self._transfer_stage(), **options)
+            return attach(Pipeline(source, self._transfer_stage(), **options), pool)
         hooks = loader._hooks
         if hooks is None:
             self._make_source = fetch_tasks
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",
-                    batch_fetcher(self._dataset, self._auto_collation, self._finish),
+                    batch_fetcher(self._dataset, self._auto_collation, self._finish)
+                    if pool is None
+                    else pool.fetch,
                     self._num_workers,
                     describe=FetchTask.describe,
                     on_start=start,
@@ -338,13 +352,13 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         else:
             auto = self._auto_collation
             self._make_source = lambda indices: sample_tasks(indices, auto)
-            stages = self._staged(loader, hooks, start)
+            stages = self._staged(loader, hooks, start, pool)
             # enough batches in flight to keep every I/O thread busy, however small the batches
             in_flight = max(in_flight, -(-loader.io_workers // self._samples_per_batch(loader)))
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
             )
-        return Pipeline(source, stages + self._transfer_stage(), **options)
+        return attach(Pipeline(source, stages + self._transfer_stage(), **options), pool)
 
     def _transfer_stage(self) -> list[Stage | Stream]:
         """One thread owning the transfer stream, after batches are complete."""
@@ -358,7 +372,11 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         return max(1, getattr(loader.batch_sampler, "batch_size", None) or 1)
 
     def _staged(
-        self, loader: DataLoader, hooks: Hooks, start: Callable[[int], None]
+        self,
+        loader: DataLoader,
+        hooks: Hooks,
+        start: Callable[[int], None],
+        pool: ProcessPool | None = None,
     ) -> list[Stage | Stream]:
         """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
@@ -376,7 +394,9 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             ),
             Stage(
                 "preprocess",
-                sample_stage(hooks.preprocess, lambda task: task.value),
+                sample_stage(hooks.preprocess, lambda task: task.value)
+                if pool is None
+                else pool.preprocess,
                 self._num_workers,
                 describe=SampleTask.describe,
                 on_start=start,
