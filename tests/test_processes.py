@@ -553,6 +553,12 @@ def test_worker_method_is_kept_as_an_attribute(method):
     assert [b["i"].tolist() for b in loader][0] == [0]
 
 
+def test_more_processes_than_cpus_gives_torchs_warning():
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader"):
+        assert len(list(ours(Squares(4), num_workers=too_many))) == 4
+
+
 def test_num_workers_zero_loads_in_the_calling_thread():
     loader = ours(Pids(meet=False), batch_size=None)
     assert set(loader) == {os.getpid()}

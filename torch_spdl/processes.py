@@ -480,6 +480,8 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
     """
     if not uses_processes(loader.worker_method):
         return None
+    # torch's warning when worker processes outnumber the CPUs, given where torch gives it
+    torch.utils.data.DataLoader.check_worker_number_rationality(loader)
     auto, collate = iterator._auto_collation, iterator._collate_fn
     if iterator._dataset_kind == _DatasetKind.Iterable:
         batch_size = iterator._index_sampler.batch_size if auto else None
