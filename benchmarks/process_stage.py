@@ -2,21 +2,29 @@
 
 Each sample runs a Python loop (no GIL release anywhere), so threads cannot run two samples at
 once while processes can. Variants: ``worker_method="thread"`` and ``"process"`` with 1 and 2
-workers without hooks (the fetch stage), the same with a ``preprocess`` hook at 2 workers, and
-torch's own DataLoader with 2 worker processes as a reference.
+workers without hooks (the fetch stage), the same with a ``preprocess`` hook at 2 workers,
+torch's own DataLoader with 2 worker processes as a reference, and, as the ceiling, the same
+transform mapped by a plain ``multiprocessing`` pool of 2 processes, no loader at all.
 
 Every loader is persistent and warmed up by one epoch first, so the figures are steady-state
 throughput (process start-up is printed separately). Every variant runs one epoch per round,
 rounds interleaved, and medians are printed, so machine noise hits all variants alike.
+
+Next to samples/s it prints "cores": CPU seconds used by this process and its children during an
+epoch, over the epoch's wall time. Threads cannot pass 1.0 on this work; processes can reach the
+number of workers, when the machine has that many cores free. On a shared machine the cores show
+whether a low figure comes from the loader or from other tenants.
 Usage: ``python benchmarks/process_stage.py [--samples N] [--work K] [--rounds R]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.utils.data
@@ -24,12 +32,16 @@ import torch.utils.data
 import torch_spdl
 
 
-def python_transform(index: int, work: int) -> torch.Tensor:
-    """A GIL-bound transform: ``work`` iterations of plain Python arithmetic."""
+def python_loop(index: int, work: int) -> int:
+    """GIL-bound work: ``work`` iterations of plain Python arithmetic."""
     acc = index
     for k in range(work):
         acc = (acc * 31 + k) % 1_000_003
-    return torch.tensor([index, acc])
+    return acc
+
+
+def python_transform(index: int, work: int) -> torch.Tensor:
+    return torch.tensor([index, python_loop(index, work)])
 
 
 class PythonWork(torch.utils.data.Dataset):
@@ -85,12 +97,43 @@ def make_loaders(samples: int, work: int) -> dict[str, torch.utils.data.DataLoad
     return loaders
 
 
-def epoch(loader: torch.utils.data.DataLoader) -> float:
-    """Seconds for one pass."""
-    start = time.perf_counter()
+class PoolPass:
+    """One pass of the Python work through a process pool, in chunks of a batch, returning plain
+    ints: the ceiling, what two processes can do on this machine now."""
+
+    def __init__(self, pool: object, samples: int, work: int) -> None:
+        self.pool, self.samples = pool, samples
+        self.fn = functools.partial(python_loop, work=work)
+
+    def __iter__(self) -> Iterable[object]:
+        return self.pool.imap(self.fn, range(self.samples), chunksize=16)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and of its live children, from ``/proc``."""
+    total = time.process_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return total
+
+
+def epoch(loader: Iterable[object]) -> tuple[float, float]:
+    """Seconds for one pass, and cores busy meanwhile."""
+    cpu, start = cpu_seconds(), time.perf_counter()
     for _ in loader:
         pass
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return wall, (cpu_seconds() - cpu) / wall
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -108,28 +151,42 @@ def main() -> None:
 
     per_sample = timed(lambda: python_transform(0, args.work))
     print(f"one sample's transform in the main thread: {per_sample * 1e3:.2f} ms")
-    loaders = make_loaders(args.samples, args.work)
+    loaders: dict[str, Iterable[object]] = dict(make_loaders(args.samples, args.work))
+    pool = torch.multiprocessing.Pool(2)
+    loaders["ceiling: multiprocessing.Pool(2)"] = PoolPass(pool, args.samples, args.work)
     for label, loader in loaders.items():  # warm-up: workers start and stay (persistent)
-        print(f"start-up + first epoch, {label}: {epoch(loader):.2f} s")
+        print(f"start-up + first epoch, {label}: {epoch(loader)[0]:.2f} s")
 
     times: dict[str, list[float]] = {label: [] for label in loaders}
+    cores: dict[str, list[float]] = {label: [] for label in loaders}
     for _ in range(args.rounds):
         for label, loader in loaders.items():
-            times[label].append(epoch(loader))
+            wall, busy = epoch(loader)
+            times[label].append(wall)
+            cores[label].append(busy)
 
-    print(f"\n{args.samples} samples, {args.work} iterations each, median of {args.rounds} rounds")
+    load = os.getloadavg()[0]
+    print(
+        f"\n{args.samples} samples, {args.work} iterations each, median of {args.rounds} rounds "
+        f"({os.cpu_count()} CPUs, load average {load:.1f} at the end)"
+    )
     rate = {label: args.samples / statistics.median(ts) for label, ts in times.items()}
     for label, value in rate.items():
-        print(f"  {label:<32} {value:>9,.0f} samples/s")
+        busy = statistics.median(cores[label])
+        print(f"  {label:<32} {value:>9,.0f} samples/s   {busy:.2f} cores")
     print("\nscaling, 2 workers over 1:")
     for method in ("thread", "process"):
         print(f"  {LABEL[method]}: {rate[name(method, 2)] / rate[name(method, 1)]:.2f}x")
     fetch = rate[name("process", 2)] / rate[name("thread", 2)]
     hook = rate[name("process", 2, hook=True)] / rate[name("thread", 2, hook=True)]
     print(f"processes over threads at 2 workers: {fetch:.2f}x (fetch), {hook:.2f}x (preprocess)")
+    ceiling = rate["ceiling: multiprocessing.Pool(2)"]
+    print(f"processes, 2 workers, over the ceiling: {rate[name('process', 2)] / ceiling:.2f}x")
     for loader in loaders.values():
         if isinstance(loader, torch_spdl.DataLoader) and loader._iterator is not None:
             loader._iterator.close()
+    pool.close()
+    pool.join()
 
 
 if __name__ == "__main__":

@@ -57,7 +57,11 @@ def helper_pids() -> set[int]:
 def no_children(no_leak):
     before = child_pids()
     yield
-    assert multiprocessing.active_children() == []
+    left = multiprocessing.active_children()
+    for process in left:  # reported below; killed so that one failure does not fail every test
+        process.kill()
+        process.join()
+    assert left == []
     assert child_pids() - before - helper_pids() == set()
 
 
@@ -209,31 +213,40 @@ class WaitsAt(Dataset):
 
 
 class Pids(Dataset):
-    """The pid of the process that read each item. With ``meet``, each worker's first item waits
-    for the other worker's, so both workers are seen to work."""
+    """The pid of the process that read each item. With ``meet``, every item waits until the
+    other worker is at the same point, so both workers read every epoch, four items each."""
 
     def __init__(self, meet: bool = True):
         self.met = multiprocessing.get_context("fork").Barrier(2) if meet else None
-        self.waited = False  # per worker process: each has its own copy
 
     def __len__(self):
         return 8
 
     def __getitem__(self, index):
-        if self.met is not None and not self.waited:
+        if self.met is not None:
             self.met.wait(10)
-            self.waited = True
         return os.getpid()
 
 
 class Made(Dataset):
-    """A tensor made by ``__getitem__`` itself (no collation with ``batch_size=None``)."""
+    """Tensors made by ``__getitem__`` itself (no collation with ``batch_size=None``): a small one
+    and one above ``INLINE_BYTES``, in plain, bfloat16, bool and channels-last flavours."""
 
     def __len__(self):
-        return 4
+        return 3
 
     def __getitem__(self, index):
-        return torch.arange(4) + index
+        big = torch.full((processes.INLINE_BYTES // 4 + 1,), float(index))
+        return {
+            "small": torch.arange(4) + index,
+            "big": big,
+            "bf16": torch.tensor([index, 0.5], dtype=torch.bfloat16),
+            "bool": torch.tensor([index % 2 == 0]),
+            "scalar": torch.tensor(float(index)),
+            "channels_last": torch.arange(24.0)
+            .reshape(1, 2, 3, 4)
+            .to(memory_format=torch.channels_last),
+        }
 
 
 class Range(IterableDataset):
@@ -345,14 +358,25 @@ def test_worker_info_and_seeds_in_the_process_match_torchs():
     assert seeds == {sample["id"]: sample["seed"] for sample in reference}
 
 
-def test_tensors_arrive_in_shared_memory():
-    # A tensor the dataset made: the thread path hands over the object itself...
-    assert not any(t.is_shared() for t in threads(Made(), batch_size=None, num_workers=2))
-    # ...a worker process sends it through shared memory.
-    made = list(ours(Made(), batch_size=None, num_workers=2))
-    assert [t.tolist() for t in made] == [[i, i + 1, i + 2, i + 3] for i in range(4)]
-    assert all(t.is_shared() for t in made)
-    assert all(batch["x"].is_shared() for batch in ours(Squares(), batch_size=4, num_workers=2))
+def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
+    expected = [Made()[i] for i in range(3)]
+    # The thread path hands over the dataset's own tensors...
+    assert not any(t["big"].is_shared() for t in threads(Made(), batch_size=None, num_workers=2))
+    # ...worker processes send large ones through shared memory, small ones inside the message.
+    got = list(ours(Made(), batch_size=None, num_workers=2))
+    for sample, reference in zip(got, expected, strict=True):
+        assert sample["big"].is_shared() and not sample["small"].is_shared()
+        assert sample["channels_last"].is_contiguous(memory_format=torch.channels_last)
+        for key, tensor in reference.items():
+            assert sample[key].dtype == tensor.dtype and sample[key].shape == tensor.shape
+            assert torch.equal(sample[key], tensor), key
+    # a large batch made in the worker arrives in shared memory too
+    batches = list(ours(Squares(), batch_size=None, num_workers=2, collate_fn=big_batch))
+    assert all(batch.is_shared() for batch in batches)
+
+
+def big_batch(sample):
+    return torch.full((processes.INLINE_BYTES,), float(sample["i"]))
 
 
 def test_persistent_workers_keep_their_processes_across_epochs():
