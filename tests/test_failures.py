@@ -261,3 +261,18 @@ def test_a_collate_error_is_not_a_sample_failure():
 def test_bad_max_failures_is_rejected(value, error, text):
     with pytest.raises(error, match=text):
         DataLoader(Flaky(4, ()), max_failures=value)
+
+
+def test_process_workers_skip_bad_samples_with_hooks(folders):
+    dirty, clean = folders
+    want = samples(torch.utils.data.DataLoader(folder(clean), batch_size=4))
+    loader = DataLoader(
+        folder(dirty), batch_size=4, num_workers=2, worker_method="process", max_failures=5
+    )
+    assert samples(loader) == want
+    assert {f.stage for f in loader.stats().skipped} == {"preprocess"}
+
+
+def test_process_workers_without_hooks_cannot_skip_samples():
+    with pytest.raises(ValueError, match="needs a dataset split into load and preprocess"):
+        DataLoader(Flaky(8, {1}), num_workers=2, worker_method="process", max_failures=1)

@@ -203,3 +203,10 @@ def test_profile_recommends_the_fewest_threads_near_the_fastest():
 def test_profile_rejects_an_iterable_dataset():
     with pytest.raises(ValueError, match="map-style"):
         torch_spdl.profile(DataLoader(Stream(), batch_size=2), file=None)
+
+
+def test_a_process_stage_is_reported_as_one():
+    loader = DataLoader(Numbers(16), batch_size=4, num_workers=2, worker_method="process")
+    assert len(list(loader)) == 4
+    (fetch,) = loader.stats().stages
+    assert (fetch.name, fetch.kind, fetch.workers, fetch.done) == ("fetch", "process", 2, 4)

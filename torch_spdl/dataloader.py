@@ -37,6 +37,7 @@ from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_f
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stats import StageStats, call_timed
+from .processes import ProcessPool, attach, process_pool, uses_processes
 from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
 from .thread_safety import thread_safe_view
@@ -53,7 +54,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     Every torch argument keeps its meaning. ``num_workers=0`` loads in the calling thread, like
     torch; ``num_workers=N`` uses N worker *threads* (no processes, no pickling, no copy-on-read).
-    ``multiprocessing_context`` is validated as torch does and otherwise unused.
+    ``multiprocessing_context`` is validated as torch does and used by ``worker_method="process"``.
 
     Keyword-only extras (each kept as a same-named attribute, defaults keep torch's behaviour):
 
@@ -75,6 +76,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       fraction of the samples seen (a float); past it, :class:`~torch_spdl.FailureBudgetExceeded`
       lists them (:mod:`torch_spdl.failures`). ``0`` raises the first error, as torch does.
     - ``stats_interval``: log :meth:`stats` through ``logging`` every so many seconds.
+    - ``worker_method``: ``"thread"``, or ``"process"`` to run the CPU stage (``fetch``, or
+      ``preprocess`` with hooks) in ``num_workers`` worker processes, for GIL-bound Python code
+      (see :mod:`torch_spdl.processes`). ``"multiprocessing"`` (torch's name) means ``"process"``.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         device_transform: Callable[[Any], Any] | None = None,
         cache_bytes: int | None = None,
         preload: bool = False,
+        worker_method: str = "thread",
         max_failures: int | float = 0,
         stats_interval: float | None = None,
     ) -> None:
@@ -143,6 +148,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self.cache_bytes = cache_bytes
         self.preload = preload
+        uses_processes(worker_method)  # validates it
+        self.worker_method = worker_method
         self._cache = self._make_cache()
         self._preloaded = False
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
@@ -153,6 +160,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
         self.max_failures = check_max_failures(max_failures)
+        if max_failures and uses_processes(worker_method) and self._hooks is None:
+            raise ValueError(
+                "max_failures with worker_method='process' needs a dataset split into load and "
+                "preprocess hooks (a StagedDataset, load_fn=/preprocess_fn=, or an ImageFolder): "
+                "without hooks a worker process reads whole batches, and cannot skip samples"
+            )
         if stats_interval is not None and not (
             isinstance(stats_interval, (int, float)) and stats_interval > 0
         ):
@@ -312,7 +325,9 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         self._finish = finisher(self._collate_fn, self._pin_device())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
-        self.stats_probe = StatsProbe(self._clock, self._budget)
+        self.stats_probe = StatsProbe(
+            self._clock, self._budget, uses_processes(loader.worker_method)
+        )
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
@@ -396,27 +411,34 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
-        start = worker_starter(
-            loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+        pool = process_pool(self, loader)  # worker processes, or None for worker threads
+        start = (
+            pool.start
+            if pool is not None
+            else worker_starter(
+                loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+            )
         )
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
         if self._dataset_kind == _DatasetKind.Iterable:
             source = WorkerSource(
-                self._iterable_worker(),
+                self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
                 max_in_flight=loader.prefetch_factor,
                 name="fetch",
                 on_start=start,
             )
-            return Pipeline(source, self._transfer_stage(), **options)
+            return attach(Pipeline(source, self._transfer_stage(), **options), pool)
         hooks = loader._hooks
         if hooks is None:
             self._make_source = fetch_tasks
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",
-                    batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget),
+                    batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+                    if pool is None
+                    else pool.fetch,
                     self._num_workers,
                     describe=FetchTask.describe,
                     on_start=start,
@@ -426,13 +448,13 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         else:
             auto = self._auto_collation
             self._make_source = lambda indices: sample_tasks(indices, auto)
-            stages = self._staged(loader, hooks, start)
+            stages = self._staged(loader, hooks, start, pool)
             # enough batches in flight to keep every I/O thread busy, however small the batches
             in_flight = max(in_flight, -(-loader.io_workers // self._samples_per_batch(loader)))
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
             )
-        return Pipeline(source, stages + self._transfer_stage(), **options)
+        return attach(Pipeline(source, stages + self._transfer_stage(), **options), pool)
 
     def _transfer_stage(self) -> list[Stage | Stream]:
         """One thread owning the transfer stream, after batches are complete."""
@@ -446,7 +468,11 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         return max(1, getattr(loader.batch_sampler, "batch_size", None) or 1)
 
     def _staged(
-        self, loader: DataLoader, hooks: Hooks, start: Callable[[int], None]
+        self,
+        loader: DataLoader,
+        hooks: Hooks,
+        start: Callable[[int], None],
+        pool: ProcessPool | None = None,
     ) -> list[Stage | Stream]:
         """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
@@ -464,7 +490,9 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             ),
             Stage(
                 "preprocess",
-                sample_stage(hooks.preprocess, lambda task: task.value),
+                sample_stage(hooks.preprocess, lambda task: task.value)
+                if pool is None
+                else pool.preprocess,
                 self._num_workers,
                 describe=SampleTask.describe,
                 on_start=start,

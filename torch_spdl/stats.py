@@ -13,6 +13,7 @@ waiting for the GIL, so its time per item grows with threads and more threads do
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ SATURATED = 0.8  # busy fraction from which a stage is taken to hold the others 
 KEEPS_UP = 0.05  # consumer wait fraction under which the loader is not what slows training
 GIL_BOUND = 0.6  # CPU share under which a multi-threaded CPU stage is waiting for the GIL
 IO_STAGES = ("load",)  # stages that wait by design; every other sample stage is CPU work
+PROCESS_STAGES = ("fetch", "preprocess")  # what worker_method="process" moves to processes
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ def _advice(stage: StageReport, cpus: int) -> str:
             f"{busy}, on a CPU {stage.cpu_share:.0%} of it (waiting on I/O): raise io_workers "
             f"(now {stage.workers}); threads waiting on I/O are cheap"
         )
+    if stage.kind == "process" and stage.workers < cpus:
+        return f"{busy}: raise num_workers (now {stage.workers} processes, CPUs: {cpus})"
     if stage.kind == "stream":
         return f"{busy}: collating is the limit; collate into one preallocated batch"
     if stage.kind == "thread" and stage.workers > 1 and stage.cpu_share < GIL_BOUND:
@@ -138,17 +142,25 @@ class StatsProbe:
     failure budget. The loader keeps the probe of its latest iterator, never the iterator, so
     the figures outlive the pass without keeping its threads alive."""
 
-    def __init__(self, clock: ConsumerClock, budget: FailureBudget) -> None:
+    def __init__(self, clock: ConsumerClock, budget: FailureBudget, processes: bool) -> None:
         self.clock = clock
         self.budget = budget
+        self.processes = processes  # worker_method="process": the CPU stage waits on processes
         self.stages: list[StageStats] = []
 
     def report(self) -> LoaderStats:
-        stages = [stats.report() for stats in self.stages]
+        stages = [self._kind(stats.report()) for stats in self.stages]
         batches, waiting = self.clock.batches, self.clock.wait_fraction()
         bottleneck, suggestion = diagnose(stages, batches, waiting)
         skipped = list(self.budget.failures)
         return LoaderStats(stages, batches, waiting, skipped, bottleneck, suggestion)
+
+    def _kind(self, report: StageReport) -> StageReport:
+        """A stage whose threads each wait on a worker process is a ``process`` stage: its
+        threads' CPU share says nothing about the work, which happens in the processes."""
+        if self.processes and report.name in PROCESS_STAGES:
+            return dataclasses.replace(report, kind="process", cpu_share=0.0)
+        return report
 
 
 class PeriodicReport:

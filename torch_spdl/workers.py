@@ -84,3 +84,10 @@ def worker_starter(
             worker_init_fn(worker_id)
 
     return start
+
+
+def set_process_worker_info(info: WorkerInfo) -> None:
+    """In a worker process: publish ``info`` where torch's own worker processes do (the module
+    global ``get_worker_info()`` returns), and drop a thread's info inherited through ``fork``."""
+    _thread_state.info = None
+    _torch_worker._worker_info = info

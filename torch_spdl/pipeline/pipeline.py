@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .channel import Channel, Slots, Stopped, StopSignal
@@ -305,6 +305,14 @@ class Pipeline(Generic[T]):
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once when the pipeline stops, however it does (the end of a
+        non-persistent epoch, :meth:`close`, a fatal error, garbage collection, exit), before its
+        threads are joined: so it can release a thread blocked outside the engine (a worker
+        process it waits on). At once if it has stopped already. ``callback`` must not refer to
+        the pipeline, or the pipeline could never be collected."""
+        self._runtime.stop.on_set(callback)
 
     def close(self) -> None:
         """Stop and join every thread of this pipeline; safe to call more than once."""

@@ -59,7 +59,7 @@ class StageReport:
     """One stage's figures since its pipeline started (or since :meth:`StageStats.reset`)."""
 
     name: str
-    kind: str  # "thread", "async" (one event loop, `workers` calls in flight) or "stream"
+    kind: str  # "thread", "async" (one loop, `workers` calls in flight), "stream", "inline"
     workers: int
     done: int
     failures: int

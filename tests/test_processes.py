@@ -1,0 +1,588 @@
+"""``worker_method="process"``: the CPU stage in worker processes.
+
+Batches are compared with torch's own DataLoader (worker processes too) and with the thread path;
+errors with the thread path's. Every test ends with no thread left (``no_leak``) and no child
+process left (:func:`child_pids`, read from ``/proc``, and ``multiprocessing.active_children()``),
+checked at once, without waiting: stopping a pipeline joins its processes before it returns.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import pickle
+import random
+import re
+import signal
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from torch_spdl import DataLoader, StagedDataset, processes
+
+N = 23  # prime: no batch size divides it
+EPOCHS = 2
+
+
+# -- no child process left behind ---------------------------------------------------------------
+def child_pids() -> set[int]:
+    """Children of this process that exist (zombies included: an unreaped child is a leak too)."""
+    me = str(os.getpid())
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if fields[1] == me:
+            pids.add(int(entry))
+    return pids
+
+
+def helper_pids() -> set[int]:
+    """multiprocessing's own long-lived helpers (``spawn`` starts a resource tracker)."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
+@pytest.fixture(autouse=True)
+def no_children(no_leak):
+    before = child_pids()
+    yield
+    left = multiprocessing.active_children()
+    for process in left:  # reported below; killed so that one failure does not fail every test
+        process.kill()
+        process.join()
+    assert left == []
+    assert child_pids() - before - helper_pids() == set()
+
+
+# -- datasets (module level: a spawned worker imports them) --------------------------------------
+class Squares(Dataset):
+    def __init__(self, n: int = N):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return {"x": torch.tensor([index, index * index]), "i": index}
+
+
+class StagedSquares(StagedDataset):
+    """``load`` gives a picklable raw item; ``preprocess`` is pure Python, then a tensor."""
+
+    def __init__(self, n: int = N):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def load(self, index):
+        return {"index": index, "text": "x" * index}
+
+    def preprocess(self, raw):
+        total = sum(ord(c) for c in raw["text"])
+        return torch.tensor([raw["index"], total])
+
+
+class Draws(Dataset):
+    """Random draws from the three global generators torch's workers seed."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        return torch.rand(2), random.random(), float(np.random.rand())
+
+
+class Who(Dataset):
+    """Reports where each item was made: pid, worker info, and what worker_init_fn recorded.
+
+    Each worker's first item waits for the other worker's, so both workers are seen to work.
+    """
+
+    def __init__(self):
+        self.met = multiprocessing.get_context("fork").Barrier(2)
+        self.waited = False  # per worker process: each has its own copy
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if not self.waited:
+            self.met.wait(10)
+            self.waited = True
+        info = get_worker_info()
+        return {
+            "pid": os.getpid(),
+            "id": info.id,
+            "num_workers": info.num_workers,
+            "seed": info.seed,
+            "method": info.worker_method,
+            "dataset_is_self": info.dataset is self,
+            "rng": info.rng is not None,
+            "init": INIT_BY,
+        }
+
+
+INIT_BY: tuple[int, int] | None = None
+
+
+def record_init(worker_id: int) -> None:
+    global INIT_BY
+    INIT_BY = (worker_id, os.getpid())
+
+
+class Sharded(IterableDataset):
+    """Each worker reads every ``num_workers``-th number, as torch's docs suggest."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, N, step))
+
+
+class Fails(Dataset):
+    def __init__(self, error: type[Exception], at: int = 7):
+        self.error, self.at = error, at
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        if index == self.at:
+            raise self.error(f"bad sample {index}")
+        return index
+
+
+class FailsStaged(StagedDataset):
+    def __len__(self):
+        return 12
+
+    def load(self, index):
+        return index
+
+    def preprocess(self, raw):
+        if raw == 7:
+            raise ValueError(f"cannot preprocess {raw}")
+        return raw
+
+
+class BreaksStream(IterableDataset):
+    def __iter__(self):
+        yield 1
+        raise KeyError("stream broke")
+
+
+class DiesAt(Dataset):
+    """Kills its own worker process at ``at`` (a segfault or the OOM killer, say)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        info = get_worker_info()
+        if index == self.at and info is not None and info.worker_method == "multiprocessing":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return index
+
+
+class WaitsAt(Dataset):
+    def __init__(self, gate, at: int = 3):
+        self.gate, self.at = gate, at
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == self.at:
+            assert self.gate.wait(10)
+        return index
+
+
+class Pids(Dataset):
+    """The pid of the process that read each item. With ``meet``, every item waits until the
+    other worker is at the same point, so both workers read every epoch, four items each."""
+
+    def __init__(self, meet: bool = True):
+        self.met = multiprocessing.get_context("fork").Barrier(2) if meet else None
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if self.met is not None:
+            self.met.wait(10)
+        return os.getpid()
+
+
+class Made(Dataset):
+    """Tensors made by ``__getitem__`` itself (no collation with ``batch_size=None``): a small one
+    and one above ``INLINE_BYTES``, in plain, bfloat16, bool and channels-last flavours."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        big = torch.full((processes.INLINE_BYTES // 4 + 1,), float(index))
+        return {
+            "small": torch.arange(4) + index,
+            "big": big,
+            "bf16": torch.tensor([index, 0.5], dtype=torch.bfloat16),
+            "bool": torch.tensor([index % 2 == 0]),
+            "scalar": torch.tensor(float(index)),
+            "channels_last": torch.arange(24.0)
+            .reshape(1, 2, 3, 4)
+            .to(memory_format=torch.channels_last),
+        }
+
+
+class Range(IterableDataset):
+    def __iter__(self):
+        return iter(range(200))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def plain(obj):
+    """Batches as plain comparable values, container and tensor types kept."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), obj.tolist())
+    if isinstance(obj, dict):
+        return {key: plain(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [plain(value) for value in obj])
+    return obj
+
+
+def epochs(loader, count: int = EPOCHS) -> list[list]:
+    return [[plain(batch) for batch in loader] for _ in range(count)]
+
+
+def make(cls, dataset, **kwargs):
+    """A loader of class ``cls`` over ``dataset``; ``seed`` becomes its own seeded generator."""
+    seed = kwargs.pop("seed", None)
+    if seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    return cls(dataset, **kwargs)
+
+
+def ours(dataset, **kwargs):
+    return make(DataLoader, dataset, worker_method="process", **kwargs)
+
+
+def threads(dataset, **kwargs):
+    return make(DataLoader, dataset, **kwargs)
+
+
+def torchs(dataset, **kwargs):
+    return make(torch.utils.data.DataLoader, dataset, **kwargs)
+
+
+def first_line(error: BaseException) -> str:
+    """The line naming type, stage, item and worker, with the worker's number left out."""
+    line = str(error).strip("'\"").splitlines()[0]
+    return re.sub(r"\(worker (thread|process) \d+\)", "(worker N)", line)
+
+
+# -- same batches ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_size", [4, None])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("dataset", [Squares, StagedSquares], ids=["fetch", "hooks"])
+def test_same_batches_as_torch_and_threads(dataset, shuffle, batch_size):
+    kwargs = dict(batch_size=batch_size, shuffle=shuffle, seed=7, num_workers=2)
+    expected = epochs(torchs(dataset(), **kwargs))
+    assert epochs(ours(dataset(), **kwargs)) == expected
+    assert epochs(threads(dataset(), **kwargs)) == expected
+
+
+@pytest.mark.parametrize("dataset", [Squares, StagedSquares], ids=["fetch", "hooks"])
+def test_unordered_gives_the_same_batches(dataset):
+    kwargs = dict(batch_size=3, shuffle=True, seed=3, num_workers=2)
+    expected = epochs(torchs(dataset(), **kwargs))
+    got = epochs(ours(dataset(), in_order=False, **kwargs))
+    assert [sorted(map(repr, epoch)) for epoch in got] == [
+        sorted(map(repr, epoch)) for epoch in expected
+    ]
+
+
+def test_iterable_dataset_interleaves_workers_like_torch():
+    kwargs = dict(batch_size=3, num_workers=2)
+    expected = epochs(torchs(Sharded(), **kwargs))
+    assert epochs(ours(Sharded(), **kwargs)) == expected
+    assert epochs(ours(Sharded(), persistent_workers=True, **kwargs)) == expected
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_one_worker_draws_the_same_random_numbers_as_torch(persistent):
+    """Seeds (torch, random, numpy) are torch's: with one worker, batches are bit-identical."""
+    kwargs = dict(batch_size=4, shuffle=True, seed=11, num_workers=1, persistent_workers=persistent)
+    expected = epochs(torchs(Draws(), **kwargs))
+    assert epochs(ours(Draws(), **kwargs)) == expected
+    assert expected[0] != expected[1]  # the epochs differ: it compares real draws
+
+
+def test_spawn_context_sends_the_dataset_by_pickle():
+    kwargs = dict(batch_size=5, shuffle=True, seed=5, num_workers=2)
+    expected = epochs(torchs(Squares(), **kwargs), count=1)
+    got = epochs(ours(Squares(), multiprocessing_context="spawn", **kwargs), count=1)
+    assert got == expected
+
+
+# -- the worker processes --------------------------------------------------------------------------
+def test_worker_info_and_seeds_in_the_process_match_torchs():
+    kwargs = dict(batch_size=None, seed=2, num_workers=2, worker_init_fn=record_init)
+    samples = list(ours(Who(), **kwargs))
+    reference = list(torchs(Who(), **kwargs))
+    assert get_worker_info() is None and INIT_BY is None  # nothing leaked into this process
+    pids = {sample["pid"] for sample in samples}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert {sample["id"] for sample in samples} == {0, 1}
+    for sample in samples:
+        assert sample["num_workers"] == 2
+        assert sample["method"] == "multiprocessing" == reference[0]["method"]
+        assert sample["dataset_is_self"] and sample["rng"]
+        assert list(sample["init"]) == [sample["id"], sample["pid"]]  # init ran right there
+    seeds = {sample["id"]: sample["seed"] for sample in samples}
+    assert seeds == {sample["id"]: sample["seed"] for sample in reference}
+
+
+def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
+    expected = [Made()[i] for i in range(3)]
+    # The thread path hands over the dataset's own tensors...
+    assert not any(t["big"].is_shared() for t in threads(Made(), batch_size=None, num_workers=2))
+    # ...worker processes send large ones through shared memory, small ones inside the message.
+    got = list(ours(Made(), batch_size=None, num_workers=2))
+    for sample, reference in zip(got, expected, strict=True):
+        assert sample["big"].is_shared() and not sample["small"].is_shared()
+        assert sample["channels_last"].is_contiguous(memory_format=torch.channels_last)
+        for key, tensor in reference.items():
+            assert sample[key].dtype == tensor.dtype and sample[key].shape == tensor.shape
+            assert torch.equal(sample[key], tensor), key
+    # a large batch made in the worker arrives in shared memory too
+    batches = list(ours(Squares(), batch_size=None, num_workers=2, collate_fn=big_batch))
+    assert all(batch.is_shared() for batch in batches)
+
+
+def big_batch(sample):
+    return torch.full((processes.INLINE_BYTES,), float(sample["i"]))
+
+
+def test_persistent_workers_keep_their_processes_across_epochs():
+    loader = ours(Pids(), batch_size=2, num_workers=2, persistent_workers=True)
+    first = {pid for batch in loader for pid in batch.tolist()}
+    assert len(multiprocessing.active_children()) == 2  # alive between epochs
+    second = {pid for batch in loader for pid in batch.tolist()}
+    assert first == second and len(first) == 2 and os.getpid() not in first
+    loader._iterator.close()  # stops them; the next epoch starts new ones
+    assert multiprocessing.active_children() == []
+    third = {pid for batch in loader for pid in batch.tolist()}
+    assert third.isdisjoint(first) and len(third) == 2
+    del loader
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def raised(loader) -> tuple[BaseException, list]:
+    """The exception iterating ``loader`` raises, and the batches delivered before it."""
+    seen = []
+    with pytest.raises(Exception) as info:
+        for batch in loader:
+            seen.append(plain(batch))
+    return info.value, seen
+
+
+@pytest.mark.parametrize(
+    "dataset,kwargs,raiser",
+    [
+        (lambda: Fails(KeyError), dict(batch_size=3), "__getitem__"),
+        (lambda: Fails(ValueError), dict(batch_size=None), "__getitem__"),
+        (lambda: Fails(OSError), dict(batch_size=3), "__getitem__"),
+        (FailsStaged, dict(batch_size=3), "preprocess"),
+        (BreaksStream, dict(batch_size=None), "__iter__"),
+    ],
+    ids=["KeyError", "ValueError-unbatched", "OSError", "preprocess", "iterable"],
+)
+def test_errors_keep_type_and_message_of_the_thread_path(dataset, kwargs, raiser):
+    error, seen = raised(ours(dataset(), num_workers=2, **kwargs))
+    thread_error, thread_seen = raised(threads(dataset(), num_workers=2, **kwargs))
+    assert type(error) is type(thread_error)
+    assert first_line(error) == first_line(thread_error)
+    assert re.search(r"\(worker process \d\)\.$", str(error).strip("'\"").splitlines()[0])
+    # the worker's own traceback, down to the line that raised
+    assert "Original Traceback" in str(error) and f", in {raiser}" in str(error)
+    assert seen == thread_seen
+
+
+def test_iteration_goes_on_after_an_error_like_torch():
+    def drain(loader):
+        out, it = [], iter(loader)
+        while True:
+            try:
+                out.append(next(it).tolist())
+            except StopIteration:
+                return out
+            except ValueError:
+                out.append("error")
+
+    expected = drain(torchs(Fails(ValueError), batch_size=3, num_workers=2))
+    assert drain(ours(Fails(ValueError), batch_size=3, num_workers=2)) == expected
+
+
+def fail_in_worker_one(worker_id: int) -> None:
+    if worker_id == 1:
+        raise OSError("no GPU for this worker")
+
+
+def test_worker_init_error_is_raised_with_its_type():
+    for _ in range(3):
+        with pytest.raises(OSError, match="no GPU for this worker") as info:
+            list(ours(Squares(4), num_workers=2, worker_init_fn=fail_in_worker_one))
+        assert "worker process 1" in str(info.value)
+
+
+def test_a_killed_worker_raises_instead_of_hanging():
+    loader = ours(DiesAt(5), batch_size=1, num_workers=2)
+    pattern = (
+        r"DataLoader worker process \d \(pid \d+\) exited unexpectedly "
+        r"with exit code -9 \(killed by signal SIGKILL\)"
+    )
+    with pytest.raises(RuntimeError, match=pattern) as info:
+        for _ in loader:
+            pass
+    assert "dataset indices [5]" in str(info.value)
+
+
+def test_workers_killed_between_epochs_fail_the_next_one():
+    loader = ours(Pids(), batch_size=1, num_workers=2, persistent_workers=True)
+    for pid in {batch.item() for batch in loader}:
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly with exit code -9"):
+        list(loader)
+    del loader
+
+
+def test_timeout_raises_torchs_error():
+    gate = multiprocessing.get_context("fork").Event()
+    it = iter(ours(WaitsAt(gate), num_workers=2, timeout=0.3))
+    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.3 seconds$"):
+        for _ in range(8):
+            next(it)
+    gate.set()
+    del it
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def test_a_worker_stuck_in_user_code_is_killed_on_shutdown(monkeypatch):
+    monkeypatch.setattr(processes, "SHUTDOWN_GRACE", 0.2)
+    never = multiprocessing.get_context("fork").Event()
+    it = iter(ours(WaitsAt(never), num_workers=2, timeout=0.3, worker_init_fn=ignore_sigterm))
+    with pytest.raises(RuntimeError, match="timed out"):
+        for _ in range(8):
+            next(it)
+    del it  # the stuck worker outlives SIGTERM: it gets SIGKILL
+
+
+class Unpicklable(Squares):
+    def __init__(self):
+        super().__init__()
+        self.transform = lambda x: x
+
+
+def test_a_dataset_spawn_cannot_pickle_fails_at_iter():
+    loader = ours(Unpicklable(), num_workers=2, multiprocessing_context="spawn")
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="pickle"):
+        iter(loader)
+
+
+# -- shutdown: every path joins the processes ------------------------------------------------------
+LOADERS = {
+    "fetch": lambda: ours(Squares(40), batch_size=2, num_workers=2),
+    "hooks": lambda: ours(StagedSquares(40), batch_size=2, num_workers=2, io_workers=3),
+    "iterable": lambda: ours(Range(), batch_size=2, num_workers=2),
+    "unordered": lambda: ours(Squares(40), batch_size=2, num_workers=2, in_order=False),
+}
+EACH_LOADER = pytest.mark.parametrize("loader", LOADERS.values(), ids=LOADERS.keys())
+
+
+@EACH_LOADER
+def test_exhaustion(loader):
+    assert len(list(loader())) > 0
+
+
+@EACH_LOADER
+def test_break(loader):
+    for _ in loader():
+        assert len(multiprocessing.active_children()) == 2
+        break
+
+
+@EACH_LOADER
+def test_del_iterator(loader):
+    it = iter(loader())
+    next(it)
+    del it
+
+
+@EACH_LOADER
+def test_garbage_collected_cycle(loader):
+    it = iter(loader())
+    next(it)
+    holder = [it]
+    holder.append(holder)
+    del it, holder
+    gc.collect()
+
+
+@EACH_LOADER
+def test_exception_in_consumer(loader):
+    with pytest.raises(ZeroDivisionError):
+        for _ in loader():
+            raise ZeroDivisionError
+
+
+@EACH_LOADER
+def test_close(loader):
+    it = iter(loader())
+    next(it)
+    it.close()
+    assert multiprocessing.active_children() == []
+    del it
+
+
+# -- arguments -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["threads", "Process", 1, None])
+def test_bad_worker_method_is_a_value_error(method):
+    with pytest.raises(ValueError, match=r"worker_method option should be 'thread' or 'process'"):
+        DataLoader(Squares(), num_workers=2, worker_method=method)
+
+
+@pytest.mark.parametrize("method", ["thread", "process", "multiprocessing"])
+def test_worker_method_is_kept_as_an_attribute(method):
+    loader = DataLoader(Squares(), num_workers=2, worker_method=method)
+    assert loader.worker_method == method
+    assert [b["i"].tolist() for b in loader][0] == [0]
+
+
+def test_more_processes_than_cpus_gives_torchs_warning():
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.warns(UserWarning, match="excessive worker creation might get DataLoader"):
+        assert len(list(ours(Squares(4), num_workers=too_many))) == 4
+
+
+def test_num_workers_zero_loads_in_the_calling_thread():
+    loader = ours(Pids(meet=False), batch_size=None)
+    assert set(loader) == {os.getpid()}

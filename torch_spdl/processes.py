@@ -1,0 +1,556 @@
+"""Worker processes for GIL-bound per-sample work: ``DataLoader(..., worker_method="process")``.
+
+Threads scale on work that releases the GIL (decoders, most torch and numpy ops, I/O); pure-Python
+per-sample code does not. For that case the loader's CPU stage (``fetch`` without hooks,
+``preprocess`` with them, an IterableDataset's iterators) runs in ``num_workers`` processes:
+
+- **The engine is unchanged.** The stage still has ``num_workers`` threads. Thread *w* owns worker
+  process *w* and one pipe to it: it sends a task and waits for the answer. Ordering, back-pressure
+  (``prefetch_factor``), ``timeout``, persistent workers and stop/join are the engine's own.
+- **The dataset is sent once per worker**, at start: inherited with ``fork``, pickled once with
+  ``spawn``/``forkserver``, as torch's workers get it (so the same picklability rules apply).
+  ``load`` hooks stay on the I/O threads; only ``preprocess`` (and what it is given) crosses over.
+- **Tensors come back in shared memory** through torch's multiprocessing reductions, and
+  ``default_collate`` builds a batch in shared memory directly, since ``get_worker_info()`` is set
+  in the worker. Tensors under :data:`INLINE_BYTES` travel inside the message instead (see
+  :func:`dumps`). Pinning and device transfer stay in the main process.
+- **Errors keep their type and place.** A worker catches an exception in torch's
+  ``ExceptionWrapper``; it reaches the consumer as a :class:`~torch_spdl.pipeline.Failure` in the
+  item's place, worded like the thread path's (stage, dataset index, ``worker process N``).
+- **A worker that dies never hangs the loader.** The waiting thread watches the process's
+  sentinel along with the pipe, and fails the item with a RuntimeError naming the worker and its
+  exit code.
+- **Every stop of the pipeline stops the processes** (:meth:`ProcessPool.close` is registered with
+  :meth:`~torch_spdl.pipeline.Pipeline.on_stop`): exhaustion, ``break``, ``del``, garbage
+  collection, errors, ``close()``; persistent workers live as long as their pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing import connection, util
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.multiprocessing
+from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
+from torch.utils.data._utils.pin_memory import pin_memory
+from torch.utils.data._utils.worker import ManagerWatchdog, WorkerInfo, _generate_state
+from torch.utils.data.dataloader import _DatasetKind
+
+from .batching import FetchTask, SampleTask, batch_fetcher
+from .pipeline import Failure, Pipeline
+from .workers import set_process_worker_info, thread_rng
+
+WORKER_METHODS = ("thread", "process", "multiprocessing")
+PROCESS_WORKER_METHOD = "multiprocessing"
+"""``WorkerInfo.worker_method`` in a worker process: the value torch's own worker processes report
+(``WorkerInfo``'s default), so dataset code written against torch sees what it expects."""
+
+SHUTDOWN_GRACE = MP_STATUS_CHECK_INTERVAL
+"""Seconds the processes get to exit on their own before they are terminated (torch's figure)."""
+
+# Requests (main → worker) and reply statuses (worker → main).
+RUN, RESET = "run", "reset"
+READY, OK, ERROR, END = "ready", "ok", "error", "end"
+Reply = tuple[str, Any]
+
+INLINE_BYTES = 1 << 20
+"""Tensors up to this size travel inside the message, copied, instead of in shared memory.
+
+A tensor in shared memory costs a fixed ~0.6 ms here (a shared-memory segment, and its file
+descriptor fetched from the sender over a socket with an authentication handshake); a copy costs
+~0.1 ms plus ~2 µs per KiB. They break even around 1-2 MiB (2-core machine, 2026-11-21). Per-sample
+results of a ``preprocess`` hook are mostly small, and a collated batch mostly large."""
+
+
+def _inline(tensor: torch.Tensor) -> bool:
+    """A plain, small, contiguous CPU tensor: its bytes, dtype and shape are all there is."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.is_contiguous()
+        and tensor.nbytes <= INLINE_BYTES
+    )
+
+
+def _rebuild_inline(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+class _Pickler(ForkingPickler):
+    """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and _inline(obj):
+            data = obj.detach().reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_inline, (data, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps(obj: Any) -> memoryview:
+    """Pickle a message: large tensors into shared memory (torch's reductions), small ones by
+    value. ``Connection.recv`` reads it back, as for ``Connection.send``."""
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getbuffer()
+
+
+def uses_processes(worker_method: Any) -> bool:
+    """Whether ``worker_method`` asks for worker processes; ValueError if it names no method."""
+    if not isinstance(worker_method, str) or worker_method not in WORKER_METHODS:
+        raise ValueError(
+            "worker_method option should be 'thread' or 'process' ('multiprocessing', the name "
+            f"torch's WorkerInfo uses, means 'process'), but got worker_method={worker_method!r}"
+        )
+    return worker_method != "thread"
+
+
+def _where(stage: str, worker: int, description: str | None = None) -> str:
+    """``Stage.where``'s wording, for a worker process instead of a worker thread."""
+    text = f"in stage {stage!r}"
+    if description is not None:
+        text += f" for {description}"
+    return f"{text} (worker process {worker})"
+
+
+# -- what a worker process runs ----------------------------------------------------------------
+@dataclass
+class FetchJob:
+    """No hooks: a batch's indices in, the collated batch out (torch's worker's job)."""
+
+    stage: ClassVar[str] = "fetch"
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+
+    @property
+    def info_dataset(self) -> Any:
+        return self.dataset
+
+    def reset(self, worker: int) -> Reply:
+        return READY, None
+
+    def run(self, index: Any, worker: int) -> Reply:
+        task = FetchTask(index)
+        try:
+            return OK, batch_fetcher(self.dataset, self.auto_collation, self.collate_fn)(task)
+        except Exception:
+            return ERROR, ExceptionWrapper(where=_where(self.stage, worker, task.describe()))
+
+
+@dataclass
+class PreprocessJob:
+    """Hooks: one loaded sample in, ``preprocess(raw)`` out; collation stays in the main process,
+    which assembles the batch sampler's batches from samples of every worker."""
+
+    stage: ClassVar[str] = "preprocess"
+    preprocess: Callable[[Any], Any]
+    info_dataset: Any
+
+    def reset(self, worker: int) -> Reply:
+        return READY, None
+
+    def run(self, request: tuple[Any, Any], worker: int) -> Reply:
+        index, raw = request
+        try:
+            return OK, self.preprocess(raw)
+        except Exception:
+            where = _where(self.stage, worker, SampleTask(index, 0, 1).describe())
+            return ERROR, ExceptionWrapper(where=where)
+
+
+@dataclass
+class IterableJob:
+    """An IterableDataset: each worker runs its own iterator, batched and collated, as torch's
+    workers do; :meth:`reset` starts a new one each epoch."""
+
+    stage: ClassVar[str] = "fetch"
+    dataset: Any
+    info_dataset: Any
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+    drop_last: bool
+    batch_size: int | None
+    _fetcher: Any = field(default=None, init=False, repr=False)
+
+    def reset(self, worker: int) -> Reply:
+        self._fetcher = None
+        try:
+            self._fetcher = _DatasetKind.create_fetcher(
+                _DatasetKind.Iterable,
+                self.dataset,
+                self.auto_collation,
+                self.collate_fn,
+                self.drop_last,
+            )
+        except Exception:
+            return ERROR, ExceptionWrapper(where=_where(self.stage, worker))
+        return READY, None
+
+    def run(self, request: None, worker: int) -> Reply:
+        index = [None] * self.batch_size if self.auto_collation else None
+        try:
+            return OK, self._fetcher.fetch(index)
+        except StopIteration:
+            return END, None
+        except Exception:
+            return ERROR, ExceptionWrapper(where=_where(self.stage, worker))
+
+
+Job = FetchJob | PreprocessJob | IterableJob
+
+
+def _worker_main(
+    job: Job,
+    worker: int,
+    num_workers: int,
+    base_seed: int,
+    worker_init_fn: Callable[[int], None] | None,
+    conn: connection.Connection,
+) -> None:
+    """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
+    (the main process closes its end of the pipe) or until the main process is gone."""
+    try:
+        signal_handling._set_worker_signal_handlers()
+        torch.multiprocessing._set_thread_name("pt_data_worker")
+        status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
+        conn.send_bytes(dumps((status, payload)))
+        if status == READY:
+            _serve(job, worker, conn)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # Ctrl-C reaches the main process too; EOF and broken pipes: it has stopped us
+    finally:
+        conn.close()
+
+
+def _start_worker(
+    job: Job,
+    worker: int,
+    num_workers: int,
+    base_seed: int,
+    worker_init_fn: Callable[[int], None] | None,
+) -> Reply:
+    """Seeds, ``get_worker_info()`` and ``worker_init_fn``, in torch's order and with its seeds."""
+    torch.set_num_threads(1)
+    seed = base_seed + worker
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_generate_state(base_seed, worker))
+    info = WorkerInfo(
+        id=worker,
+        num_workers=num_workers,
+        seed=seed,
+        dataset=job.info_dataset,
+        rng=thread_rng(seed),
+        worker_method=PROCESS_WORKER_METHOD,
+    )
+    set_process_worker_info(info)
+    try:
+        if worker_init_fn is not None:
+            worker_init_fn(worker)
+    except Exception:
+        where = f"in the start of stage {job.stage!r} (worker process {worker})"
+        return ERROR, ExceptionWrapper(where=where)
+    return READY, None
+
+
+def _serve(job: Job, worker: int, conn: connection.Connection) -> None:
+    """Answer requests one at a time; between them, check on the main process like torch does."""
+    watchdog = ManagerWatchdog()
+    while watchdog.is_alive():
+        if not conn.poll(MP_STATUS_CHECK_INTERVAL):
+            continue
+        op, payload = conn.recv()
+        reply = job.reset(worker) if op == RESET else job.run(payload, worker)
+        del payload
+        _send(conn, reply, job.stage, worker)
+        del reply  # do not keep the last batch's shared memory alive while idle
+
+
+def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) -> None:
+    """Send ``reply``; if it cannot be pickled (pickling happens before anything is written), send
+    that error instead, so the item fails rather than the loader hanging."""
+    try:
+        message = dumps(reply)
+    except Exception:
+        where = f"in sending a result of stage {stage!r} from worker process {worker}"
+        message = dumps((ERROR, ExceptionWrapper(where=where)))
+    conn.send_bytes(message)
+
+
+# -- the main process's side ----------------------------------------------------------------------
+@dataclass(eq=False)
+class _Worker:
+    """One worker process and the main process's end of its pipe.
+
+    ``lock`` is held for a whole request/reply exchange, so :meth:`_Processes.close` can take the
+    pipe from its thread between exchanges. Re-entrant: a garbage-collection finaliser may close
+    the pool from inside an exchange on the same thread.
+    """
+
+    id: int
+    process: Any
+    conn: connection.Connection
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def died(self) -> RuntimeError:
+        self.process.join(SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
+        code = self.process.exitcode
+        text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
+        if code is None:
+            return RuntimeError(f"{text}: it closed its pipe and is still running")
+        text += f" with exit code {code}"
+        if code < 0:
+            with contextlib.suppress(ValueError):  # not a signal this platform names
+                text += f" (killed by signal {signal.Signals(-code).name})"
+        return RuntimeError(text)
+
+
+def _start_process(
+    context: Any,
+    job: Job,
+    worker: int,
+    num_workers: int,
+    base_seed: int,
+    worker_init_fn: Callable[[int], None] | None,
+) -> _Worker:
+    ours, theirs = context.Pipe()
+    # Processes forked later (our other workers included) must not hold our end: then a worker
+    # reads EOF when the main process closes it or dies, and we get EPIPE when a worker is gone.
+    util.register_after_fork(ours, connection.Connection.close)
+    process = context.Process(
+        target=_worker_main,
+        args=(job, worker, num_workers, base_seed, worker_init_fn, theirs),
+        name=f"torch_spdl-{job.stage}-{worker}",
+        daemon=True,  # a backstop at exit only: close() is what stops it
+    )
+    try:
+        process.start()
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()  # the worker has its own copy now
+    return _Worker(worker, process, ours)
+
+
+class _Processes:
+    """The processes, pipes and wake-up pipe of a pool; no reference to the pool itself, so a
+    dropped pool can be finalised."""
+
+    def __init__(self) -> None:
+        self.workers: list[_Worker] = []
+        self.wake, self._waker = connection.Pipe(duplex=False)
+        util.register_after_fork(self.wake, connection.Connection.close)
+        util.register_after_fork(self._waker, connection.Connection.close)
+        self.closing = False
+        self._lock = threading.Lock()
+        self._owner = os.getpid()
+
+    def close(self) -> None:
+        """Wake every waiting thread, close the pipes (each worker then exits), join the processes
+        and terminate those still running after :data:`SHUTDOWN_GRACE` seconds."""
+        if os.getpid() != self._owner:
+            return  # a forked child's copy: not its processes to stop
+        with self._lock:
+            if self.closing:
+                return
+            self.closing = True
+        self._waker.send_bytes(b"")  # readable from now on: no thread waits on a worker again
+        for worker in self.workers:
+            with worker.lock:  # its thread has left its exchange and will start no other
+                worker.conn.close()
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
+            _terminate(worker.process)
+        self.wake.close()
+        self._waker.close()
+
+
+def _terminate(process: Any) -> None:
+    """End a process still running after the grace period (stuck in user code): SIGTERM as torch
+    does, then SIGKILL if it outlives another grace period (it may handle SIGTERM)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(SHUTDOWN_GRACE)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    process.close()  # its sentinel's file descriptor
+
+
+class ProcessPool:
+    """``num_workers`` worker processes running ``job``, driven by the engine's stage threads.
+
+    The processes start at construction, from the calling thread (before the pipeline's threads
+    exist, which keeps ``fork`` away from locks other threads hold). The stage's ``on_start`` is
+    :meth:`start`: it binds the calling thread to process ``worker_id`` and waits until that
+    process is set up. The stage function is :meth:`fetch`, :meth:`preprocess`, or :meth:`batches`
+    as a :class:`~torch_spdl.pipeline.WorkerSource`'s function, matching ``job``.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        num_workers: int,
+        *,
+        base_seed: int,
+        worker_init_fn: Callable[[int], None] | None = None,
+        context: Any = None,
+        pin_device: str | None = None,
+    ) -> None:
+        self.job = job
+        self._pin_device = pin_device
+        self._local = threading.local()
+        self._processes = _Processes()
+        self._finalizer = weakref.finalize(self, self._processes.close)
+        context = torch.multiprocessing if context is None else context
+        try:
+            for worker in range(num_workers):
+                self._processes.workers.append(
+                    _start_process(context, job, worker, num_workers, base_seed, worker_init_fn)
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def processes(self) -> list[Any]:
+        return [worker.process for worker in self._processes.workers]
+
+    def close(self) -> None:
+        """Stop and join every process; safe to call more than once and from any thread."""
+        self._finalizer()
+
+    # -- one exchange with this thread's process --------------------------------------------------
+    def start(self, worker_id: int) -> None:
+        """``on_start``: bind this thread to its process and wait until it is set up; an error in
+        ``worker_init_fn`` is raised here with its type, which makes it fatal, as with threads."""
+        worker = self._processes.workers[worker_id]
+        self._local.worker = worker
+        with worker.lock:
+            status, payload = self._receive(worker)
+        if status == ERROR:
+            payload.reraise()
+
+    def _exchange(self, request: tuple[str, Any]) -> Reply:
+        worker: _Worker = self._local.worker
+        with worker.lock:
+            if self._processes.closing:
+                raise RuntimeError("the DataLoader's worker processes have been shut down")
+            try:
+                worker.conn.send_bytes(dumps(request))
+            except (BrokenPipeError, ConnectionResetError):
+                raise worker.died() from None
+            return self._receive(worker)
+
+    def _receive(self, worker: _Worker) -> Reply:
+        """The worker's reply; RuntimeError if it dies first or the pool is closed meanwhile."""
+        if self._processes.closing:  # a thread starting late, after the pipeline stopped
+            raise RuntimeError("the DataLoader's worker processes have been shut down")
+        wake = self._processes.wake
+        ready = connection.wait([worker.conn, worker.process.sentinel, wake])
+        if worker.conn in ready:
+            try:
+                return worker.conn.recv()
+            except EOFError:
+                raise worker.died() from None
+            except Exception as error:  # shared tensors are fetched from their sender: gone?
+                if not worker.process.is_alive():
+                    raise worker.died() from error
+                raise
+        if wake in ready and self._processes.closing:
+            raise RuntimeError("the DataLoader's worker processes have been shut down")
+        raise worker.died()
+
+    def _pin(self, data: Any) -> Any:
+        return data if self._pin_device is None else pin_memory(data, self._pin_device)
+
+    # -- stage functions ------------------------------------------------------------------------
+    def fetch(self, task: FetchTask) -> Any:
+        """The ``fetch`` stage: the worker reads and collates the batch; pinned here."""
+        task.current = task.index  # what an error here (a dead worker) is about
+        status, payload = self._exchange((RUN, task.index))
+        if status == ERROR:
+            return Failure(payload, task, "fetch")
+        return self._pin(payload)
+
+    def preprocess(self, task: SampleTask) -> SampleTask | Failure:
+        """The ``preprocess`` stage: ``task.value`` (what ``load`` returned) goes to the worker."""
+        if task.size:
+            status, payload = self._exchange((RUN, (task.index, task.value)))
+            if status == ERROR:
+                return Failure(payload, task, "preprocess")
+            task.value = payload
+        return task
+
+    def batches(self, worker_id: int) -> Iterator[Any]:
+        """An IterableDataset epoch of this thread's worker: a fresh iterator there, then its
+        batches; an error is yielded in its place and iteration goes on, as in torch's workers."""
+        status, payload = self._exchange((RESET, None))
+        if status == ERROR:
+            yield Failure(payload)
+            return
+        while True:
+            status, payload = self._exchange((RUN, None))
+            if status == END:
+                return
+            yield Failure(payload) if status == ERROR else self._pin(payload)
+
+
+def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
+    """The worker processes of a loader's iterator, or None when its workers are threads.
+
+    ``iterator`` is the loader's ``_ThreadDataLoaderIter``; the job mirrors what its thread stage
+    would run: torch's fetch without hooks, ``preprocess`` with them, a per-worker iterator for an
+    IterableDataset (over the iterator's dataset, which may be a per-rank shard of the loader's).
+    """
+    if not uses_processes(loader.worker_method):
+        return None
+    # torch's warning when worker processes outnumber the CPUs, given where torch gives it
+    torch.utils.data.DataLoader.check_worker_number_rationality(loader)
+    auto, collate = iterator._auto_collation, iterator._collate_fn
+    if iterator._dataset_kind == _DatasetKind.Iterable:
+        batch_size = iterator._index_sampler.batch_size if auto else None
+        job: Job = IterableJob(
+            iterator._dataset, loader.dataset, auto, collate, iterator._drop_last, batch_size
+        )
+    elif loader._hooks is None:
+        job = FetchJob(loader.dataset, auto, collate)
+    else:
+        job = PreprocessJob(loader._hooks.preprocess, loader.dataset)
+    return ProcessPool(
+        job,
+        iterator._num_workers,
+        base_seed=iterator._base_seed,
+        worker_init_fn=loader.worker_init_fn,
+        context=loader.multiprocessing_context,
+        pin_device=iterator._pin_device(),
+    )
+
+
+def attach(pipeline: Pipeline[Any], pool: ProcessPool | None) -> Pipeline[Any]:
+    """Stop ``pool`` whenever ``pipeline`` stops, before its threads are joined."""
+    if pool is not None:
+        pipeline.on_stop(pool.close)
+    return pipeline
