@@ -177,6 +177,25 @@ class FailsStaged(StagedDataset):
         return raw
 
 
+def explode():
+    raise ValueError("this raw item cannot be rebuilt here")
+
+
+class Unreadable:
+    """Pickles in the main process; unpickling it (in the worker) raises."""
+
+    def __reduce__(self):
+        return explode, ()
+
+
+class LoadsUnreadable(StagedDataset):
+    def __len__(self):
+        return 4
+
+    def load(self, index):
+        return Unreadable() if index == 2 else index
+
+
 class BreaksStream(IterableDataset):
     def __iter__(self):
         yield 1
@@ -422,6 +441,16 @@ def test_errors_keep_type_and_message_of_the_thread_path(dataset, kwargs, raiser
     # the worker's own traceback, down to the line that raised
     assert "Original Traceback" in str(error) and f", in {raiser}" in str(error)
     assert seen == thread_seen
+
+
+def test_a_task_the_worker_cannot_unpickle_fails_that_sample():
+    loader = ours(LoadsUnreadable(), batch_size=None, num_workers=2)
+    seen = []
+    with pytest.raises(ValueError, match="this raw item cannot be rebuilt here") as info:
+        for sample in loader:
+            seen.append(sample)
+    assert seen == [0, 1]
+    assert "in reading a task of stage 'preprocess' in worker process" in str(info.value)
 
 
 def test_iteration_goes_on_after_an_error_like_torch():

@@ -278,7 +278,14 @@ def _serve(job: Job, worker: int, conn: connection.Connection) -> None:
     while watchdog.is_alive():
         if not conn.poll(MP_STATUS_CHECK_INTERVAL):
             continue
-        op, payload = conn.recv()
+        try:
+            op, payload = conn.recv()
+        except (EOFError, OSError):
+            raise
+        except Exception:  # the task arrived but does not unpickle here (a missing class, say)
+            where = f"in reading a task of stage {job.stage!r} in worker process {worker}"
+            _send(conn, (ERROR, ExceptionWrapper(where=where)), job.stage, worker)
+            continue
         reply = job.reset(worker) if op == RESET else job.run(payload, worker)
         del payload
         _send(conn, reply, job.stage, worker)
@@ -433,10 +440,6 @@ class ProcessPool:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def processes(self) -> list[Any]:
-        return [worker.process for worker in self._processes.workers]
 
     def close(self) -> None:
         """Stop and join every process; safe to call more than once and from any thread."""
