@@ -17,8 +17,9 @@ import torch
 from PIL import Image
 from subprocesses import REPO, checkout_env
 
-from torch_spdl.bench import data, images, memory, report, targets
-from torch_spdl.bench.measure import Result, Sample, Variant, run_rounds
+import torch_spdl
+from torch_spdl.bench import data, images, memory, profile, remote, report, strings, targets
+from torch_spdl.bench.measure import Result, Sample, Variant, measure, run_rounds
 
 MIB = 2**20
 
@@ -120,7 +121,7 @@ def test_tree_pss_counts_children_and_leaves_out_excluded_ones(child_with_64_mib
 
 @pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
 def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
-    with memory.PeakPss(interval=0.01) as peak:
+    with memory.PeakPss(interval=0.01, duty=0.5) as peak:
         base = memory.tree_pss()
         block = bytes(range(256)) * (1 << 18)  # 64 MiB, touched
         seen = peak.readings
@@ -130,6 +131,30 @@ def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
         del block
     assert peak.peak > base + 50 * MIB
     assert not peak._thread.is_alive()
+
+
+# -- the per-stage view ---------------------------------------------------------------------------
+class BusySamples(torch.utils.data.Dataset):
+    """Each sample costs ``ms`` of this thread's CPU."""
+
+    def __init__(self, size: int, ms: float) -> None:
+        self.size, self.ms = size, ms
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        end = time.thread_time() + self.ms / 1000
+        while time.thread_time() < end:
+            pass
+        return index
+
+
+def test_loader_cpu_charges_the_work_to_the_worker_threads():
+    make = lambda: torch_spdl.DataLoader(BusySamples(32, 5.0), batch_size=8, num_workers=2)
+    spent = profile.loader_cpu(make, batches=4, size=8)
+    assert spent["stage fetch"] >= 4.0, spent  # 5 ms per sample, measured in clock ticks
+    assert spent.get("main thread", 0) < 2.0, spent
 
 
 # -- results, targets, table, plot ---------------------------------------------------------------
@@ -212,25 +237,51 @@ def test_rounds_are_interleaved_and_each_variant_measured_every_round():
     assert all(s.samples == 5 and s.peak_pss_bytes > 0 for r in results for s in r.samples)
 
 
-# -- end to end ------------------------------------------------------------------------------------
+# -- workloads B and C in this process, and a whole run in another ---------------------------------
+def test_remote_variants_read_verified_items_and_leave_the_server_out():
+    options = remote.Options(batches=2, torch_workers=(2,), io_workers=(8,))
+    with remote.prepare(options) as variants:
+        server = variants[0].exclude_pids[0]
+        assert all(v.exclude_pids == (server,) for v in variants)
+        assert server in memory.tree(os.getpid())  # a child of ours, but not measured
+        assert server not in memory.tree(os.getpid(), exclude=[server])
+        for variant in variants:  # torch with 2 worker processes, torch_spdl with 8 requests
+            sample = measure(variant)  # variant.check verifies the first batch's bytes
+            assert sample.samples == 2 * remote.BATCH and sample.peak_pss_bytes > 0
+    assert server not in memory.tree(os.getpid())  # stopped with the block
+
+
+def test_strings_variants_read_the_whole_list_in_batches_of_512():
+    options = strings.Options(strings=3000, batches=0, torch_workers=(0, 2), spdl_workers=(2,))
+    with strings.prepare(options) as variants:
+        held = variants[0].make().dataset.items
+        for variant in variants:
+            assert measure(variant).samples == 3000  # 5 full batches and one of 440
+    assert held == []  # the memory is given back before anything else is measured
+
+
 def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
+    """Workload A end to end (B and C run above): the table, the targets, the per-stage view,
+    the JSON and the PNG. One workload runs in the bench's own process; with several, each gets
+    a fresh one (``run_isolated``), which costs a torch import apiece, too slow for a test."""
     out = tmp_path / "out"
     env = checkout_env()
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--batches", "1"]
-    command += ["--images", "64", "--strings", "20000", "--out", str(out)]
+    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "A"]
+    command += ["--batches", "1", "--images", "64", "--out", str(out)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert header in result.stdout
-    for workload in "ABC":
-        assert f"\n| {workload} | torch |" in result.stdout, result.stdout
+    assert "\n| A | torch_spdl hooks+fast path | 2 |" in result.stdout, result.stdout
     assert "Targets:" in result.stdout
     assert "[met]" in result.stdout or "[NOT met]" in result.stdout
+    assert "Workload A, loader CPU per sample by thread or process" in result.stdout
     assert "[round 1/1] A torch_spdl hooks+fast path (2)" in result.stderr  # progress
     assert (tmp_path / "cache" / "torch_spdl" / "bench").is_dir()  # not the real home cache
     with Image.open(out / "bench.png") as image:
         assert image.format == "PNG"
     raw = json.loads((out / "bench.json").read_text())
-    assert {r["workload"] for r in raw["results"]} == {"A", "B", "C"}
+    loaders = {r["loader"] for r in raw["results"]}
+    assert loaders == {images.PLAIN, images.TORCH, images.SWAPPED, images.HOOKS}
     assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch_spdl
 from torch_spdl.io import collate_images, decode_image
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
 
-from .measure import Variant, intra_op_threads
+from .measure import Variant
 
 SIZE = 224
 BATCH = 64
@@ -226,50 +225,3 @@ def prepare(options: Options) -> Iterator[list[Variant]]:
         for w in ws
     ]
     yield variants
-
-
-# -- the per-stage view, for explaining the numbers ---------------------------------------------
-def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
-    """Milliseconds of CPU per sample for each step of both paths, one thread, no loader.
-
-    Thread CPU time, not wall time, so other programs on the machine barely move it. It says
-    what the 2-core limit of each path is (2 / cost) and which step dominates.
-    """
-    folder = datasets.ImageFolder(str(root))
-    paths = [path for path, _ in folder.samples[:images]]
-    raw = [bytearray(Path(p).read_bytes()) for p in paths]
-    pil_transform = classic_transform()
-
-    def pil_decode(data: bytearray) -> Image.Image:
-        return Image.open(io.BytesIO(data)).convert("RGB")
-
-    steps = {
-        "read file": lambda i: Path(paths[i]).read_bytes(),
-        "PIL decode": lambda i: pil_decode(raw[i]),
-        "PIL decode + classic transform": lambda i: pil_transform(pil_decode(raw[i])),
-        "torchvision decode (decode_image)": lambda i: decode_image(raw[i]),
-        "fast path (decode + crop + flip)": lambda i: fast_transform(raw[i]),
-    }
-    costs = {}
-    with intra_op_threads(1):  # one thread means one: no OpenMP helpers for torch's kernels
-        for name, step in steps.items():
-            step(0)  # first-call set-up is not per-sample cost
-            start = time.thread_time()
-            for i in range(len(raw)):
-                step(i)
-            costs[name] = (time.thread_time() - start) / len(raw) * 1000
-    costs["draft-eligible crops (%)"] = 100 * draft_eligible(folder.samples[:images])
-    return costs
-
-
-def draft_eligible(samples: Sequence[tuple[str, int]], draws: int = 20) -> float:
-    """The fraction of RandomResizedCrop draws on these images that a reduced decode could serve."""
-    hits = total = 0
-    for path, _ in samples:
-        with Image.open(path) as image:
-            width, height = image.size
-        for _ in range(draws):
-            _, _, h, w = crop_params(height, width)
-            hits += reduction(h, w) > 1
-            total += 1
-    return hits / total

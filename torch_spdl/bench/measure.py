@@ -4,9 +4,11 @@ interleaved, medians reported.
 A measurement builds a fresh loader, then times ``iter(loader)`` up to the first batch (time to
 first batch: worker processes or threads starting, plus the first batch's work) and up to the
 last of a fixed number of batches (throughput: samples over that whole time, start-up included,
-as an epoch pays it). The PSS of the process tree is sampled throughout. Loader construction is
-not timed: both libraries only store arguments there. The iterator is dropped and the garbage
-collected before the next measurement, so no worker of one variant is alive during another's.
+as an epoch pays it). The PSS of the process tree is sampled throughout, within a small CPU
+budget, and read once more right after the last batch, before the loader is torn down. Loader
+construction is not timed: both libraries only store arguments there. The iterator is dropped
+and the garbage collected before the next measurement, so no worker of one variant is alive
+during another's.
 
 Interleaving puts every variant into every stretch of the run, so a burst of load from another
 program slows all of them instead of one; the median then discards the rounds it hit hardest.
@@ -99,7 +101,8 @@ def _measure(variant: Variant) -> Sample:
             if batches == variant.batches:
                 break
         seconds = time.perf_counter() - start
-        del iterator, batch  # torch joins its workers here; not timed, but still sampled
+        pss.read()  # workers still alive and holding what they copied; not timed
+        del iterator, batch  # torch joins its workers here
     del loader
     gc.collect()
     if first is None:

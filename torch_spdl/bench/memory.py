@@ -9,9 +9,8 @@ it per process in ``/proc/<pid>/smaps_rollup``; the tree is the process and all 
 found through the parent pid in ``/proc/<pid>/stat``. Processes that are not part of what is
 measured (the benchmark's HTTP server) are left out with their descendants.
 
-Sampling is not free: the kernel walks every mapping of every process for each reading, which
-for 64 worker processes takes tens of milliseconds of CPU. The sampler therefore waits at least
-four times as long as its last reading took, which keeps it under a fifth of one core.
+Sampling is not free (see :meth:`PeakPss._run`), so the sampler keeps to a small CPU budget
+and the caller adds a reading at the moment that matters most.
 """
 
 from __future__ import annotations
@@ -83,35 +82,59 @@ def tree_pss(root: int | None = None, exclude: Iterable[int] = ()) -> int:
 class PeakPss:
     """Context manager: the highest tree PSS seen while the block ran, in :attr:`peak` bytes.
 
-    A thread reads the tree every ``interval`` seconds (more if a reading takes long, see the
-    module docstring), once on entry and once more on exit, so even a short block is sampled.
-    The thread is joined on exit; nothing is left running.
+    A thread reads the tree on entry and then whenever its CPU budget allows (see
+    :meth:`_run`); :meth:`read` takes a reading on demand, e.g. right after a loader's last
+    batch, while its workers are still alive. The thread is joined on exit.
     """
 
     def __init__(
-        self, root: int | None = None, exclude: Iterable[int] = (), interval: float = 0.05
+        self,
+        root: int | None = None,
+        exclude: Iterable[int] = (),
+        interval: float = 0.25,
+        duty: float = 0.05,
     ) -> None:
         self.root = os.getpid() if root is None else root
         self.exclude = tuple(exclude)
         self.interval = interval
+        self.duty = duty
         self.peak = 0
         self.readings = 0
+        self._per_process = 0.0  # seconds one process's reading took, last time
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch_spdl.bench.pss")
 
-    def read(self) -> int:
-        value = tree_pss(self.root, self.exclude)
-        self.peak = max(self.peak, value)
-        self.readings += 1
+    def read(self, pids: list[int] | None = None) -> int:
+        """Read the tree's PSS now (``pids``: the tree, if just listed) and update the peak."""
+        pids = tree(self.root, self.exclude) if pids is None else pids
+        start = time.perf_counter()
+        value = sum(pss(pid) for pid in pids)
+        took = time.perf_counter() - start
+        with self._lock:
+            self._per_process = took / max(len(pids), 1)
+            self.peak = max(self.peak, value)
+            self.readings += 1
         return value
 
     def _run(self) -> None:
-        while True:
-            start = time.perf_counter()
-            self.read()
-            took = time.perf_counter() - start
-            if self._stop.wait(max(self.interval, 4 * took)):
-                return
+        """Read, then wait until a reading of the tree as it is now fits the CPU budget.
+
+        The kernel walks every mapping of every process to compute PSS: about 10 ms of CPU per
+        process that has torch loaded, so a tree of 65 processes costs most of a second. The
+        sampler spends at most ``duty`` of one core on it (the predicted cost of the next
+        reading, processes × the last per-process cost, divided by ``duty``, must have passed
+        since the last one), so it does not slow down the very loaders it measures. Checking
+        the tree's size every ``interval`` costs a scan of /proc, a few milliseconds.
+        """
+        self.read()
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            pids = tree(self.root, self.exclude)
+            if time.perf_counter() - last < len(pids) * self._per_process / self.duty:
+                continue
+            self.read(pids)
+            last = time.perf_counter()
 
     def __enter__(self) -> PeakPss:
         self._thread.start()
@@ -125,4 +148,3 @@ class PeakPss:
     ) -> None:
         self._stop.set()
         self._thread.join()
-        self.read()

@@ -88,14 +88,26 @@ def targets_text(targets: Sequence[Target]) -> str:
     return "\n".join(target.describe() for target in targets)
 
 
-def costs_text(costs: Mapping[str, float]) -> str:
-    """Workload A's per-step CPU cost, one thread (see :func:`images.stage_costs`)."""
-    lines = ["| step (one thread, no loader) | CPU ms per sample |", "|---|---:|"]
+def analysis_text(analysis: Mapping[str, Any]) -> str:
+    """Workload A's per-stage view (:mod:`.profile`) as three small Markdown tables."""
+    costs = analysis.get("stage_costs_ms", {})
+    lines = ["Workload A, CPU per step (one thread, no loader):", ""]
+    lines += ["| step | CPU ms per sample |", "|---|---:|"]
     for name, value in costs.items():
-        if name.endswith("(%)"):
-            lines.append(f"| {name} | {value:.1f} % |")
-        else:
-            lines.append(f"| {name} | {value:.3f} |")
+        shown = f"{value:.1f} %" if name.endswith("(%)") else f"{value:.3f}"
+        lines.append(f"| {name} | {shown} |")
+    lines += ["", "Workload A, the per-sample work alone on plain threads, and intra-op threads:"]
+    lines += ["", "| measure | value |", "|---|---:|"]
+    for name, value in analysis.get("thread_scaling", {}).items():
+        lines.append(f"| {name} | {value:,.2f} |")
+    for name, value in analysis.get("intra_op_threads", {}).items():
+        lines.append(f"| {name} | {value:,.0f} |")
+    lines += ["", "Workload A, loader CPU per sample by thread or process (ms), 2 workers:", ""]
+    lines += ["| loader | where | CPU ms per sample |", "|---|---|---:|"]
+    for loader, groups in analysis.get("loader_cpu_ms", {}).items():
+        for group, value in groups.items():
+            lines.append(f"| {loader} | {group} | {value:.3f} |")
+        lines.append(f"| {loader} | **total** | **{sum(groups.values()):.3f}** |")
     return "\n".join(lines)
 
 
