@@ -133,6 +133,31 @@ def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
     assert not peak._thread.is_alive()
 
 
+_HOARD: list[bytes] = []
+
+
+class Hoarding(torch.utils.data.Dataset):
+    """Each worker process that reads it keeps 32 MiB of touched memory."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if not _HOARD:
+            _HOARD.append(bytes(range(256)) * (1 << 17))
+        return index
+
+
+@pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
+def test_measure_reads_memory_while_torchs_workers_are_still_alive():
+    """A whole pass is counted out, not run to exhaustion, after which torch stops its workers."""
+    base = memory.tree_pss()
+    make = lambda: torch.utils.data.DataLoader(Hoarding(), batch_size=2, num_workers=2)
+    sample = measure(Variant("C", "torch", 2, make, 0, len))
+    assert sample.samples == 8
+    assert sample.peak_pss_bytes > base + 50 * MIB
+
+
 # -- the per-stage view ---------------------------------------------------------------------------
 class BusySamples(torch.utils.data.Dataset):
     """Each sample costs ``ms`` of this thread's CPU."""

@@ -37,7 +37,7 @@ class Variant:
     loader: str  # the series it belongs to in the table and the plot
     workers: int  # num_workers (or the concurrency the series varies: see the workload)
     make: Callable[[], Iterable[Any]] = field(repr=False, compare=False)
-    batches: int  # batches per measurement; 0: the whole loader
+    batches: int  # batches per measurement; 0: the whole loader (it must have a len())
     count: Callable[[Any], int] = field(repr=False, compare=False)  # samples in a batch
     check: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
     exclude_pids: tuple[int, ...] = ()  # processes that are not the loader's (the HTTP server)
@@ -86,6 +86,9 @@ def measure(variant: Variant) -> Sample:
 
 def _measure(variant: Variant) -> Sample:
     loader = variant.make()
+    # "All of it" is counted out rather than run to exhaustion: torch shuts its workers down when
+    # asked for the batch after the last, and the reading after the loop must still see them.
+    wanted = variant.batches or len(loader)
     samples = batches = 0
     first = batch = None
     with PeakPss(exclude=variant.exclude_pids) as pss:
@@ -98,7 +101,7 @@ def _measure(variant: Variant) -> Sample:
                     variant.check(batch)
             samples += variant.count(batch)
             batches += 1
-            if batches == variant.batches:
+            if batches == wanted:
                 break
         seconds = time.perf_counter() - start
         pss.read()  # workers still alive and holding what they copied; not timed
