@@ -219,8 +219,7 @@ def prepare(options: Options) -> Iterator[list[Variant]]:
             lambda w=w: torch_spdl.DataLoader(
                 fast, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
             ),
-            intra_op_threads=1,
-            note=f"io_workers={IO_WORKERS}, torch.set_num_threads(1)",
+            note=f"io_workers={IO_WORKERS}",
         )
         for w in ws
     ]

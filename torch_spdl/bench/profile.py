@@ -165,10 +165,12 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
 def intra_op_effect(variant: Variant, rounds: int = 3) -> dict[str, float]:
     """Samples/s of one loader with torch's default intra-op threads and with one, interleaved.
 
-    torch's worker processes each call ``torch.set_num_threads(1)``; torch_spdl's worker threads
-    keep the process's setting, so every torch kernel they run (``torch.stack`` in collate, a
-    resize) may start OpenMP helpers on cores the other workers already use. This says what that
-    costs, for the analysis; the table's variants are left as a user would write them.
+    torch's worker processes each call ``torch.set_num_threads(1)``, and torch_spdl's worker and
+    collate threads set the same count for themselves
+    (:func:`torch_spdl.workers.single_threaded_kernels`). Were they to keep the process's count,
+    every kernel they run (``torch.stack`` in collate, a resize) could start OpenMP helpers on
+    cores the other workers already use. Setting it process-wide should therefore change
+    nothing; a difference here means some thread still runs parallel kernels.
     """
     settings = {"default intra-op threads": None, "torch.set_num_threads(1)": 1}
     rates: dict[str, list[float]] = {setting: [] for setting in settings}
