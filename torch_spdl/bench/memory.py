@@ -82,7 +82,7 @@ def tree_pss(root: int | None = None, exclude: Iterable[int] = ()) -> int:
 class PeakPss:
     """Context manager: the highest tree PSS seen while the block ran, in :attr:`peak` bytes.
 
-    A thread reads the tree on entry and then whenever its CPU budget allows (see
+    The tree is read on entry, then by a thread whenever its CPU budget allows (see
     :meth:`_run`); :meth:`read` takes a reading on demand, e.g. right after a loader's last
     batch, while its workers are still alive. The thread is joined on exit.
     """
@@ -118,7 +118,7 @@ class PeakPss:
         return value
 
     def _run(self) -> None:
-        """Read, then wait until a reading of the tree as it is now fits the CPU budget.
+        """Wait until a reading of the tree as it is now fits the CPU budget, read, repeat.
 
         The kernel walks every mapping of every process to compute PSS: about 10 ms of CPU per
         process that has torch loaded, so a tree of 65 processes costs most of a second. The
@@ -127,7 +127,6 @@ class PeakPss:
         since the last one), so it does not slow down the very loaders it measures. Checking
         the tree's size every ``interval`` costs a scan of /proc, a few milliseconds.
         """
-        self.read()
         last = time.perf_counter()
         while not self._stop.wait(self.interval):
             pids = tree(self.root, self.exclude)
@@ -137,6 +136,7 @@ class PeakPss:
             last = time.perf_counter()
 
     def __enter__(self) -> PeakPss:
+        self.read()  # here, not in the thread: it would compete with what is being timed
         self._thread.start()
         return self
 

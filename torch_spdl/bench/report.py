@@ -139,8 +139,12 @@ def plot(results: Sequence[Result], path: Path) -> None:
             top.plot(x, [r.rate for r in series], marker="o", label=loader)
             bottom.plot(x, [r.peak_pss / MIB for r in series], marker="o", label=loader)
         for plain in (r for r in mine if r.loader == images.PLAIN):
-            top.axhline(plain.rate, color="grey", linestyle=":", label="1 thread, plain loop")
-            top.axhline(2 * plain.rate, color="black", linestyle="--", label="2-core limit")
+            top.axhline(
+                plain.rate, color="grey", linestyle=":", label="torch's transform, 1 thread"
+            )
+            top.axhline(
+                2 * plain.rate, color="black", linestyle="--", label="2-core limit (2 × that)"
+            )
         top.set_title(WORKLOAD_TITLES.get(workload, workload), fontsize=10)
         top.set_ylabel("samples/s (median)")
         bottom.set_ylabel("peak PSS of the process tree (MiB)")
