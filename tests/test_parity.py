@@ -792,6 +792,48 @@ def test_worker_info_in_worker_threads(dataset):
     assert tud.get_worker_info() is None
 
 
+class KernelThreads(tud.Dataset):
+    """Each sample is the intra-op thread count that its worker runs torch kernels with."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.get_num_threads()
+
+
+class KernelThreadsStaged(torch_spdl.StagedDataset):
+    def __len__(self):
+        return 8
+
+    def load(self, i):
+        return torch.get_num_threads()
+
+    def preprocess(self, loaded):
+        return loaded, torch.get_num_threads()
+
+
+def collate_with_kernel_threads(batch):
+    return batch, torch.get_num_threads()
+
+
+@pytest.mark.parametrize("dataset", [KernelThreads, KernelThreadsStaged])
+def test_workers_run_torch_kernels_single_threaded_as_torchs_do(dataset):
+    """torch's worker processes call torch.set_num_threads(1); our worker, I/O and collate
+    threads get the same count, for themselves only: the main thread keeps its own."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that 1 is not what every thread would have anyway
+    try:
+        options = dict(batch_size=4, num_workers=2, collate_fn=collate_with_kernel_threads)
+        ours = list(torch_spdl.DataLoader(dataset(), **options))
+        theirs = list(tud.DataLoader(dataset(), **options))
+        assert ours == theirs
+        assert all(count == 1 for _, count in ours)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_worker_info_is_none_without_workers():
     ds = InfoDataset()
     assert [b.item() for b in torch_spdl.DataLoader(ds, num_workers=0)] == list(range(N))

@@ -16,6 +16,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 
 from .failures import SKIPPED, FailureBudget, gather
 from .pipeline import Failure
+from .workers import single_threaded_kernels
 
 Collate = Callable[[Any], Any]
 
@@ -174,6 +175,7 @@ class Assembler:
         self._floor = base
 
     def __call__(self, items: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+        single_threaded_kernels()  # collate runs here, on the stream's own thread
         pending: dict[int, list[Any]] = {}
         missing: dict[int, int] = {}
         floor = 0

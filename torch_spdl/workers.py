@@ -1,4 +1,5 @@
-"""Worker identity for threads: ``get_worker_info()``, ``worker_init_fn`` and per-worker RNGs.
+"""Worker threads made to look like torch's workers: ``get_worker_info()``, ``worker_init_fn``,
+per-worker RNGs, and torch kernels that run on the calling thread alone.
 
 torch's ``get_worker_info()`` returns a module global, which is right for worker processes and
 wrong for threads (every thread would see the same value, the main thread included).
@@ -11,6 +12,8 @@ thread's own :class:`WorkerInfo` in our worker threads and torch's usual value e
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import random
 import threading
 from collections.abc import Callable
@@ -58,19 +61,53 @@ def thread_rng(seed: int) -> _RNG:
     )
 
 
+def single_threaded_kernels() -> None:
+    """Run the torch CPU kernels called from this thread on this thread alone.
+
+    torch's worker processes each call ``torch.set_num_threads(1)``: N workers already keep N
+    cores busy, and a kernel that starts OpenMP helpers on top of them (``torch.stack`` in
+    collate, a resize) only oversubscribes the cores, its helpers spinning while they wait for
+    each other. On the 2-core benchmark machine that cost torch_spdl a sixth of its image
+    throughput when idle and three quarters of it when other programs were running
+    (docs/performance.md). Worker threads need the same setting, but ``torch.set_num_threads``
+    is process-wide and would also slow the training loop in the main thread; OpenMP keeps the
+    count per thread, so it is set here for the calling thread only, through the OpenMP runtime
+    torch is linked with. ``torch.get_num_threads()`` first runs torch's one-time per-thread
+    set-up, which would otherwise reset the count at this thread's first parallel kernel.
+    Does nothing where torch's parallel backend is not OpenMP.
+    """
+    setter = _omp_set_num_threads()
+    if setter is not None:
+        torch.get_num_threads()
+        setter(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], Any] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch's extension is linked with, if any."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        return ctypes.CDLL(torch._C.__file__).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+
+
 def worker_starter(
     dataset: Any,
     num_workers: int,
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
 ) -> Callable[[int], None]:
-    """The ``on_start`` of a worker pool: publish the thread's WorkerInfo, then ``worker_init_fn``.
+    """The ``on_start`` of a worker pool: single-threaded kernels (:func:`single_threaded_kernels`),
+    the thread's WorkerInfo, then ``worker_init_fn``.
 
     Seeds follow torch (``base_seed + worker_id``), but the global RNGs are *not* reseeded: they
     are shared by all threads, so reseeding them per worker would only reset everyone's stream.
     """
 
     def start(worker_id: int) -> None:
+        single_threaded_kernels()
         seed = base_seed + worker_id
         _thread_state.info = WorkerInfo(
             id=worker_id,

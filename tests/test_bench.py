@@ -1,0 +1,312 @@
+"""``python -m torch_spdl.bench``: its data, its memory measurement, its outputs, and a smoke run.
+
+Nothing here checks a speed: timings belong to the benchmark's own runs, not to tests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from PIL import Image
+from subprocesses import REPO, checkout_env
+
+import torch_spdl
+from torch_spdl.bench import data, images, memory, profile, remote, report, strings, targets
+from torch_spdl.bench.measure import Result, Sample, Variant, measure, run_rounds
+
+MIB = 2**20
+
+
+# -- the synthetic ImageFolder -------------------------------------------------------------------
+def test_cache_dir_follows_xdg_then_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.cache_dir() == tmp_path / "xdg" / "torch_spdl"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert data.cache_dir() == tmp_path / "home" / ".cache" / "torch_spdl"
+
+
+def test_synthetic_imagefolder_is_imagenet_like_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    said: list[str] = []
+    spec = data.ImageSpec(images=12, seed=3)
+    root = data.synthetic_imagefolder(spec, progress=said.append)
+    assert root.parent == tmp_path / "torch_spdl" / "bench"
+    files = sorted(root.glob("class_*/*.jpg"))
+    assert len(files) == 12 and len(said) == 1
+    assert {f.parent.name for f in files} == {f"class_{k:02d}" for k in range(data.CLASSES)}
+    sizes = []
+    for path in files:
+        with Image.open(path) as image:
+            assert image.format == "JPEG" and image.mode == "RGB"
+            width, height = image.size
+            image.load()  # the whole file decodes
+        assert data.WIDTHS[0] <= width <= data.WIDTHS[1], (path, width)
+        assert data.HEIGHTS[0] <= height <= data.HEIGHTS[1], (path, height)
+        sizes.append(path.stat().st_size)
+    assert 70_000 < sum(sizes) / len(sizes) < 160_000, sizes  # ImageNet's ~110 KB
+    # made once: the second call writes nothing and returns the same folder
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert data.synthetic_imagefolder(spec, progress=said.append) == root
+    assert len(said) == 1
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    assert not [p for p in root.parent.iterdir() if p.name.startswith(".")], "staging left over"
+
+
+# -- the fast path of workload A -----------------------------------------------------------------
+def jpeg(width: int, height: int) -> bytearray:
+    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=85)
+    return bytearray(out.getvalue())
+
+
+@pytest.mark.parametrize("size", [(500, 375), (1800, 1400)], ids=["imagenet-sized", "large"])
+def test_fast_transform_matches_the_classic_output_shape(size):
+    classic = images.classic_transform()(Image.open(io.BytesIO(jpeg(*size))).convert("RGB"))
+    encoded = jpeg(*size)
+    for _ in range(20):  # several crops: on the large image some take the reduced decode
+        out = images.fast_transform(encoded)
+        assert out.shape == classic.shape == (3, 224, 224)
+        assert out.dtype == classic.dtype == torch.uint8
+
+
+def test_reduction_never_leaves_the_crop_smaller_than_the_output():
+    assert images.reduction(375, 500) == 1
+    assert images.reduction(448, 460) == 2
+    assert images.reduction(1000, 900) == 4
+    assert images.reduction(2000, 4000) == 8
+    for h in range(224, 3000, 37):
+        assert h // images.reduction(h, h) >= images.SIZE
+
+
+# -- memory: PSS of the process tree -------------------------------------------------------------
+@pytest.fixture
+def child_with_64_mib():
+    """A child process holding 64 MiB of touched, private memory until its stdin closes."""
+    code = (
+        "import sys; block = bytes(range(256)) * (1 << 18); "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        yield child
+    finally:
+        child.stdin.close()
+        child.wait(10)
+        child.stdout.close()
+
+
+@pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
+def test_tree_pss_counts_children_and_leaves_out_excluded_ones(child_with_64_mib):
+    me, child = os.getpid(), child_with_64_mib.pid
+    assert child in memory.tree(me)
+    assert child not in memory.tree(me, exclude=[child])
+    own = memory.pss(me)
+    assert memory.pss(child) > 60 * MIB
+    assert memory.tree_pss() > own + 60 * MIB
+    assert memory.tree_pss(exclude=[child]) < own + 30 * MIB
+    assert memory.pss(2**22 + 12345) == 0  # no such process: counted as gone, not an error
+
+
+@pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
+def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
+    with memory.PeakPss(interval=0.01, duty=0.5) as peak:
+        base = memory.tree_pss()
+        block = bytes(range(256)) * (1 << 18)  # 64 MiB, touched
+        seen = peak.readings
+        deadline = time.monotonic() + 10
+        while peak.readings < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # waiting for the sampler thread to read while the block is held
+        del block
+    assert peak.peak > base + 50 * MIB
+    assert not peak._thread.is_alive()
+
+
+_HOARD: list[bytes] = []
+
+
+class Hoarding(torch.utils.data.Dataset):
+    """Each worker process that reads it keeps 32 MiB of touched memory."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if not _HOARD:
+            _HOARD.append(bytes(range(256)) * (1 << 17))
+        return index
+
+
+@pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
+def test_measure_reads_memory_while_torchs_workers_are_still_alive():
+    """A whole pass is counted out, not run to exhaustion, after which torch stops its workers."""
+    base = memory.tree_pss()
+    make = lambda: torch.utils.data.DataLoader(Hoarding(), batch_size=2, num_workers=2)
+    sample = measure(Variant("C", "torch", 2, make, 0, len))
+    assert sample.samples == 8
+    assert sample.peak_pss_bytes > base + 50 * MIB
+
+
+# -- the per-stage view ---------------------------------------------------------------------------
+class BusySamples(torch.utils.data.Dataset):
+    """Each sample costs ``ms`` of this thread's CPU."""
+
+    def __init__(self, size: int, ms: float) -> None:
+        self.size, self.ms = size, ms
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        end = time.thread_time() + self.ms / 1000
+        while time.thread_time() < end:
+            pass
+        return index
+
+
+def test_loader_cpu_charges_the_work_to_the_worker_threads():
+    make = lambda: torch_spdl.DataLoader(BusySamples(32, 5.0), batch_size=8, num_workers=2)
+    spent = profile.loader_cpu(make, batches=4, size=8)
+    assert spent["stage fetch"] >= 4.0, spent  # 5 ms per sample, measured in clock ticks
+    assert spent.get("main thread", 0) < 2.0, spent
+
+
+# -- results, targets, table, plot ---------------------------------------------------------------
+def fake(workload: str, loader: str, workers: int, rate: float, first: float, pss_mib: float):
+    sample = Sample(rate, first, int(pss_mib * MIB), 64, 64 / rate)
+    return Result(workload, loader, workers, samples=[sample])
+
+
+def fake_results() -> list[Result]:
+    return [
+        fake("A", images.PLAIN, 1, 100, 0.6, 500),
+        fake("A", "torch", 1, 95, 0.7, 600),
+        fake("A", "torch", 2, 180, 0.7, 700),
+        fake("A", images.SWAPPED, 1, 98, 0.5, 550),
+        fake("A", images.SWAPPED, 2, 185, 0.3, 560),
+        fake("A", images.HOOKS, 2, 300, 0.2, 560),
+        fake("B", "torch", 4, 150, 1.0, 800),
+        fake("B", "torch", 64, 400, 2.0, 4000),
+        fake("B", "torch_spdl async load", 64, 1000, 0.1, 600),
+        fake("C", "torch", 0, 1000, 0.01, 700),
+        fake("C", "torch", 4, 200, 0.5, 2000),
+        fake("C", "torch_spdl", 2, 950, 0.02, 720),
+    ]
+
+
+def test_targets_are_ratios_of_the_right_loaders():
+    found = {t.name: t for t in targets.evaluate(fake_results())}
+    limit = found["A: speed, torch_spdl (2) / 2-core limit (2 × plain loop, 1 thread)"]
+    assert limit.value == pytest.approx(185 / 200) and limit.met
+    swap = found["A: speed, torch_spdl (2) / torch (2)"]
+    assert swap.value == pytest.approx(185 / 180) and not swap.met  # needs 1.1x
+    hooks = found["A: speed, torch_spdl hooks+fast path (2) / torch (2)"]
+    assert hooks.value == pytest.approx(300 / 180) and not hooks.met  # needs 2x
+    assert found["B: speed, torch_spdl async load (64) / torch (4)"].met  # 6.7x
+    assert found["B: speed, torch_spdl async load (64) / torch (64)"].met  # 2.5x
+    memory_b = found["B: peak PSS, torch_spdl async load (64) / torch (64)"]
+    assert memory_b.value == pytest.approx(600 / 4000) and memory_b.met
+    assert found["C: peak PSS, torch_spdl (2) / torch (4)"].value == pytest.approx(0.36)
+    assert found["C: speed, torch_spdl (2) / torch (0)"].met  # 0.95
+    first = found["C: time to first batch, torch_spdl (2) / torch (4)"]
+    assert first.value == pytest.approx(0.04) and first.met
+    assert len(found) == 12
+
+
+def test_table_has_every_column_and_ratios_to_torchs_best():
+    text = report.table(fake_results(), rounds=3)
+    header = next(line for line in text.splitlines() if line.startswith("| workload"))
+    assert [cell.strip() for cell in header.strip("|").split("|")] == list(report.COLUMNS)
+    row = next(line for line in text.splitlines() if "hooks+fast path" in line)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[3:5] == ["300", f"{300 / 180:.2f}"]  # against torch (2), A's fastest torch
+    assert "Medians of 3" in text
+
+
+def test_plot_writes_a_png_and_results_round_trip_through_json(tmp_path):
+    path = tmp_path / "out" / "bench.png"
+    report.plot(fake_results(), path)
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 500 and image.height > 300
+        image.verify()
+    raw = tmp_path / "out" / "bench.json"
+    report.write_json(raw, {"results": [r.to_json() for r in fake_results()]})
+    loaded = [Result.from_json(r) for r in json.loads(raw.read_text())["results"]]
+    assert loaded == fake_results()
+
+
+def test_rounds_are_interleaved_and_each_variant_measured_every_round():
+    order: list[str] = []
+
+    def loader(name: str) -> Variant:
+        def make():
+            order.append(name)
+            return [[1, 2], [3, 4], [5]]
+
+        return Variant("C", name, 0, make, 0, len)
+
+    results = run_rounds([loader("x"), loader("y")], rounds=3, progress=lambda m: None)
+    assert order == ["x", "y", "y", "x", "x", "y"]  # the first variant rotates each round
+    assert [len(r.samples) for r in results] == [3, 3]
+    assert all(s.samples == 5 and s.peak_pss_bytes > 0 for r in results for s in r.samples)
+
+
+# -- workloads B and C in this process, and a whole run in another ---------------------------------
+def test_remote_variants_read_verified_items_and_leave_the_server_out():
+    options = remote.Options(batches=2, torch_workers=(2,), io_workers=(8,))
+    with remote.prepare(options) as variants:
+        server = variants[0].exclude_pids[0]
+        assert all(v.exclude_pids == (server,) for v in variants)
+        assert server in memory.tree(os.getpid())  # a child of ours, but not measured
+        assert server not in memory.tree(os.getpid(), exclude=[server])
+        for variant in variants:  # torch with 2 worker processes, torch_spdl with 8 requests
+            sample = measure(variant)  # variant.check verifies the first batch's bytes
+            assert sample.samples == 2 * remote.BATCH and sample.peak_pss_bytes > 0
+    assert server not in memory.tree(os.getpid())  # stopped with the block
+
+
+def test_strings_variants_read_the_whole_list_in_batches_of_512():
+    options = strings.Options(strings=3000, batches=0, torch_workers=(0, 2), spdl_workers=(2,))
+    with strings.prepare(options) as variants:
+        held = variants[0].make().dataset.items
+        for variant in variants:
+            assert measure(variant).samples == 3000  # 5 full batches and one of 440
+    assert held == []  # the memory is given back before anything else is measured
+
+
+def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
+    """Workload A end to end (B and C run above): the table, the targets, the per-stage view,
+    the JSON and the PNG. One workload runs in the bench's own process; with several, each gets
+    a fresh one (``run_isolated``), which costs a torch import apiece, too slow for a test."""
+    out = tmp_path / "out"
+    env = checkout_env()
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "A"]
+    command += ["--batches", "1", "--images", "64", "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = "| " + " | ".join(report.COLUMNS) + " |"
+    assert header in result.stdout
+    assert "\n| A | torch_spdl hooks+fast path | 2 |" in result.stdout, result.stdout
+    assert "Targets:" in result.stdout
+    assert "[met]" in result.stdout or "[NOT met]" in result.stdout
+    assert "Workload A, loader CPU per sample by thread or process" in result.stdout
+    assert "[round 1/1] A torch_spdl hooks+fast path (2)" in result.stderr  # progress
+    assert (tmp_path / "cache" / "torch_spdl" / "bench").is_dir()  # not the real home cache
+    with Image.open(out / "bench.png") as image:
+        assert image.format == "PNG"
+    raw = json.loads((out / "bench.json").read_text())
+    loaders = {r["loader"] for r in raw["results"]}
+    assert loaders == {images.PLAIN, images.TORCH, images.SWAPPED, images.HOOKS}
+    assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])

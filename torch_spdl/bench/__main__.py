@@ -1,0 +1,278 @@
+"""``python -m torch_spdl.bench``: torch's DataLoader against torch_spdl's, on three workloads.
+
+A: a JPEG ImageFolder decoded, cropped and flipped into uint8 batches (a synthetic ImageNet-like
+one, made once and cached, or ``--data DIR``); B: samples behind a 20 ms HTTP round trip; C: a
+dataset of 2 M Python strings (copy-on-read). Each loader runs once per round, rounds are
+interleaved, and the table gives medians, peak PSS of the process tree and time to first batch,
+with ratios against torch's best loader. Progress goes to stderr, the table and the targets to
+stdout, and ``--out`` receives ``bench.json`` (every measurement) and ``bench.png`` (the plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+
+from . import images, memory, profile, remote, report, strings
+from .data import ImageSpec, synthetic_imagefolder
+from .measure import Result, Variant, intra_op_threads, run_rounds
+from .targets import evaluate
+
+WORKLOADS = ("A", "B", "C")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run does, after ``--quick`` and the overrides are applied."""
+
+    workloads: tuple[str, ...]
+    rounds: int
+    data: Path | None
+    images: int
+    out: Path
+    a: images.Options  # its root is filled in when the data is ready
+    b: remote.Options
+    c: strings.Options
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_spdl.bench",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+    )
+    parser.add_argument("--data", type=Path, help="your own ImageFolder for workload A")
+    parser.add_argument(
+        "--out", type=Path, default=Path("torch_spdl_bench"), help="where bench.png/.json go"
+    )
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5, quick 1)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        help="batches per measurement, every workload (default A 16, B 128, C the whole set)",
+    )
+    parser.add_argument("--workloads", default="A,B,C", help="a comma-separated subset of A,B,C")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of under a minute")
+    parser.add_argument("--images", type=int, help="synthetic images for A (default 2048)")
+    parser.add_argument("--strings", type=int, help="strings in C's dataset (default 2,000,000)")
+    # set by run_isolated for the process that runs one workload
+    parser.add_argument("--only", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--results-to", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--clock-start", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    wanted = tuple(w.strip().upper() for w in args.workloads.split(",") if w.strip())
+    unknown = [w for w in wanted if w not in WORKLOADS]
+    if unknown or not wanted:
+        parser.error(f"--workloads takes a subset of A,B,C, got {args.workloads!r}")
+    for name in ("rounds", "batches", "images", "strings"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be a positive integer, got {value}")
+    args.workloads = wanted
+    return args
+
+
+def configure(args: argparse.Namespace) -> Config:
+    """Defaults sized for about 10 minutes on 2 cores; ``--quick`` for well under one."""
+    quick = args.quick
+
+    def pick(given: int | None, default: int, small: int) -> int:
+        if given is not None:
+            return given
+        return small if quick else default
+
+    batches = args.batches
+    return Config(
+        workloads=args.workloads,
+        rounds=pick(args.rounds, 5, 1),
+        data=args.data,
+        images=pick(args.images, 2048, 256),
+        out=args.out,
+        a=images.Options(
+            root=None, workers=(1, 2) if quick else (1, 2, 4), batches=pick(batches, 16, 2)
+        ),
+        b=remote.Options(
+            batches=pick(batches, 128, 8),
+            torch_workers=(4, 16) if quick else (4, 64),
+            io_workers=(16,) if quick else (16, 64),
+        ),
+        c=strings.Options(
+            strings=pick(args.strings, 2_000_000, 200_000),
+            batches=batches or 0,
+            torch_workers=(0, 4) if quick else (0, 2, 4),
+            spdl_workers=(2,) if quick else (0, 2, 4),
+        ),
+    )
+
+
+class Progress:
+    """One line per event on stderr, stamped with the seconds since ``start`` (a ``time.time()``,
+    so that the workload processes stamp on the same clock as the run that started them)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.time() if start is None else start
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.elapsed():7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def image_root(config: Config, say: Callable[[str], None]) -> Path:
+    if config.data is not None:
+        return config.data
+    return synthetic_imagefolder(ImageSpec(images=config.images), progress=say)
+
+
+def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]:
+    """All rounds of one workload, in this process; the results as JSON-ready data."""
+    # torch warns when worker processes outnumber the cores; for B that is the point
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    torch.manual_seed(0)
+    analysis: dict[str, Any] = {}
+    if workload == "A":
+        root = image_root(config, say)
+        with images.prepare(dataclasses.replace(config.a, root=root)) as variants:
+            results = run_rounds(variants, config.rounds, say)
+            analysis = analyse_images(root, variants, small=config.images < 512, say=say)
+    elif workload == "B":
+        with remote.prepare(config.b) as variants:
+            results = run_rounds(variants, config.rounds, say)
+    else:
+        with strings.prepare(config.c) as variants:
+            results = run_rounds(variants, config.rounds, say)
+    return {"results": [r.to_json() for r in results], "analysis": analysis}
+
+
+def analyse_images(
+    root: Path, variants: Sequence[Variant], small: bool, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Workload A's per-stage view (see :mod:`.profile`), with each loader at 2 workers."""
+    say("workload A: CPU per step, thread scaling, loader CPU by thread")
+    found: dict[str, Any] = {
+        "stage_costs_ms": profile.stage_costs(root, images=8 if small else 128),
+        "thread_scaling": profile.thread_scaling(
+            root, items=16 if small else 256, rounds=1 if small else 3
+        ),
+        "loader_cpu_ms": {},
+    }
+    for variant in variants:
+        if variant.workers == 2 and variant.loader != images.PLAIN:
+            with intra_op_threads(variant.intra_op_threads):
+                found["loader_cpu_ms"][variant.name] = profile.loader_cpu(
+                    variant.make, variant.batches, images.BATCH
+                )
+        if variant.workers == 2 and variant.loader == images.SWAPPED:
+            found["intra_op_threads"] = profile.intra_op_effect(variant, rounds=1 if small else 3)
+    return found
+
+
+def run_isolated(
+    workload: str, argv: Sequence[str], say: Progress
+) -> tuple[list[Result], dict[str, Any]]:
+    """Run one workload in a fresh Python process, which writes its results to a file.
+
+    A fresh process per workload keeps the memory each one measures its own: what an earlier
+    workload left in the heap (freed memory that malloc keeps, thread arenas) would otherwise
+    count against every loader measured after it. Progress goes straight to our stderr.
+    """
+    with tempfile.TemporaryDirectory(prefix="torch_spdl-bench-") as tmp:
+        path = Path(tmp) / "results.json"
+        command = [sys.executable, "-m", "torch_spdl.bench", *argv, "--only", workload]
+        command += ["--results-to", str(path), "--clock-start", repr(say.start)]
+        status = subprocess.run(command, stdin=subprocess.DEVNULL).returncode
+        if status != 0:
+            raise SystemExit(f"workload {workload} failed (exit status {status})")
+        data = json.loads(path.read_text())
+    return [Result.from_json(r) for r in data["results"]], data["analysis"]
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not memory.available():
+        print("the benchmark reads PSS from /proc/<pid>/smaps_rollup: Linux only", file=sys.stderr)
+        return 2
+    if not report.plotting_available():
+        print("the plot needs matplotlib: pip install 'torch_spdl[bench]'", file=sys.stderr)
+        return 2
+    config = configure(args)
+    say = Progress(args.clock_start)
+    if args.only is not None:  # a workload process started by run_isolated
+        report.write_json(args.results_to, run_workload(config, args.only, say))
+        return 0
+    before = environment()
+    say(
+        f"{before['cpus']} CPUs, load average {before['load_average'][0]:.2f}; workloads "
+        f"{','.join(config.workloads)}, {config.rounds} round(s)"
+    )
+    results: list[Result] = []
+    analysis: dict[str, Any] = {}
+    for workload in config.workloads:
+        say(f"workload {report.WORKLOAD_TITLES[workload]}")
+        if len(config.workloads) == 1:  # this process has measured nothing yet: fresh enough
+            data = run_workload(config, workload, say)
+            found = [Result.from_json(r) for r in data["results"]]
+            workload_analysis = data["analysis"]
+        else:
+            found, workload_analysis = run_isolated(workload, argv, say)
+        results += found
+        analysis.update(workload_analysis)
+    targets = evaluate(results)
+    after = os.getloadavg()
+    print(report.table(results, config.rounds))
+    if targets:
+        print("\nTargets:\n" + report.targets_text(targets))
+    if analysis:
+        print("\n" + report.analysis_text(analysis))
+    plot, raw = config.out / "bench.png", config.out / "bench.json"
+    report.plot(results, plot)
+    report.write_json(
+        raw,
+        {
+            "command": " ".join(["python -m torch_spdl.bench", *argv]),
+            "environment": before,
+            "load_average_after": after,
+            "seconds": say.elapsed(),
+            "results": [r.to_json() for r in results],
+            "targets": [t.to_json() for t in targets],
+            "analysis": analysis,
+        },
+    )
+    print(
+        f"\nload average {before['load_average'][0]:.2f} at the start, {after[0]:.2f} at the end; "
+        f"{say.elapsed():.0f} s in all"
+    )
+    print(f"plot: {plot}\nraw results: {raw}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

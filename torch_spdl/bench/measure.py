@@ -1,0 +1,186 @@
+"""Measuring loaders fairly on a shared, noisy machine: one pass per variant per round, rounds
+interleaved, medians reported.
+
+A measurement builds a fresh loader, then times ``iter(loader)`` up to the first batch (time to
+first batch: worker processes or threads starting, plus the first batch's work) and up to the
+last of a fixed number of batches (throughput: samples over that whole time, start-up included,
+as an epoch pays it). The PSS of the process tree is sampled throughout, within a small CPU
+budget, and read once more right after the last batch, before the loader is torn down. Loader
+construction is not timed: both libraries only store arguments there. The iterator is dropped
+and the garbage collected before the next measurement, so no worker of one variant is alive
+during another's.
+
+Interleaving puts every variant into every stretch of the run, so a burst of load from another
+program slows all of them instead of one; the median then discards the rounds it hit hardest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .memory import PeakPss
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One loader configuration of one workload."""
+
+    workload: str  # "A", "B" or "C"
+    loader: str  # the series it belongs to in the table and the plot
+    workers: int  # num_workers (or the concurrency the series varies: see the workload)
+    make: Callable[[], Iterable[Any]] = field(repr=False, compare=False)
+    batches: int  # batches per measurement; 0: the whole loader (it must have a len())
+    count: Callable[[Any], int] = field(repr=False, compare=False)  # samples in a batch
+    check: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+    exclude_pids: tuple[int, ...] = ()  # processes that are not the loader's (the HTTP server)
+    intra_op_threads: int | None = None  # torch.set_num_threads while measured; None: as it is
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} {self.loader} ({self.workers})"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of one variant."""
+
+    samples_per_s: float
+    first_batch_s: float
+    peak_pss_bytes: int
+    samples: int
+    seconds: float
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set for the block, and restored after it.
+
+    Threads created in the block (a loader's workers) take the count set here the first time
+    they run a parallel kernel, which is what a variant that asks for it wants.
+    """
+    if threads is None:
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def measure(variant: Variant) -> Sample:
+    """Iterate a fresh loader for ``variant.batches`` batches (all of it if 0) and time it."""
+    with intra_op_threads(variant.intra_op_threads):
+        return _measure(variant)
+
+
+def _measure(variant: Variant) -> Sample:
+    loader = variant.make()
+    # "All of it" is counted out rather than run to exhaustion: torch shuts its workers down when
+    # asked for the batch after the last, and the reading after the loop must still see them.
+    wanted = variant.batches or len(loader)
+    samples = batches = 0
+    first = batch = None
+    with PeakPss(exclude=variant.exclude_pids) as pss:
+        start = time.perf_counter()
+        iterator = iter(loader)
+        for batch in iterator:
+            if first is None:
+                first = time.perf_counter() - start
+                if variant.check is not None:
+                    variant.check(batch)
+            samples += variant.count(batch)
+            batches += 1
+            if batches == wanted:
+                break
+        seconds = time.perf_counter() - start
+        pss.read()  # workers still alive and holding what they copied; not timed
+        del iterator, batch  # torch joins its workers here
+    del loader
+    gc.collect()
+    if first is None:
+        raise RuntimeError(f"{variant.name}: the loader yielded no batch")
+    return Sample(samples / seconds, first, pss.peak, samples, seconds)
+
+
+@dataclass
+class Result:
+    """All measurements of one variant and their medians; plain data, so it travels as JSON."""
+
+    workload: str
+    loader: str
+    workers: int
+    note: str = ""
+    samples: list[Sample] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, variant: Variant) -> Result:
+        return cls(variant.workload, variant.loader, variant.workers, variant.note)
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} {self.loader} ({self.workers})"
+
+    def median(self, attribute: str) -> float:
+        return statistics.median(getattr(sample, attribute) for sample in self.samples)
+
+    @property
+    def rate(self) -> float:
+        return self.median("samples_per_s")
+
+    @property
+    def first_batch(self) -> float:
+        return self.median("first_batch_s")
+
+    @property
+    def peak_pss(self) -> float:
+        return self.median("peak_pss_bytes")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "loader": self.loader,
+            "workers": self.workers,
+            "note": self.note,
+            "median_samples_per_s": self.rate,
+            "median_first_batch_s": self.first_batch,
+            "median_peak_pss_bytes": self.peak_pss,
+            "measurements": [asdict(sample) for sample in self.samples],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Result:
+        samples = [Sample(**sample) for sample in data["measurements"]]
+        return cls(data["workload"], data["loader"], data["workers"], data["note"], samples)
+
+
+def describe(sample: Sample) -> str:
+    return (
+        f"{sample.samples_per_s:,.0f} samples/s, first batch {sample.first_batch_s:.3f} s, "
+        f"peak PSS {sample.peak_pss_bytes / 2**20:,.0f} MiB"
+    )
+
+
+def run_rounds(
+    variants: Sequence[Variant], rounds: int, progress: Callable[[str], None]
+) -> list[Result]:
+    """Every variant once per round, ``rounds`` times; the starting variant rotates each round
+    so that none always runs first (right after a workload's set-up) or last."""
+    pairs = [(variant, Result.of(variant)) for variant in variants]
+    for round_ in range(rounds):
+        shift = round_ % len(pairs)
+        for variant, result in pairs[shift:] + pairs[:shift]:
+            sample = measure(variant)
+            result.samples.append(sample)
+            progress(f"[round {round_ + 1}/{rounds}] {result.name}: {describe(sample)}")
+    return [result for _, result in pairs]

@@ -1,0 +1,181 @@
+"""Why workload A's numbers are what they are: CPU per step, thread scaling, CPU per thread.
+
+Three views, each measured in the same process as the loaders:
+
+- :func:`stage_costs`: milliseconds of CPU per sample for each step of both paths, in one
+  thread with no loader. Thread CPU time rather than wall time, so other programs on the
+  machine barely move it. ``2 / cost`` is a path's 2-core limit; the steps say which dominates.
+- :func:`thread_scaling`: the per-sample function alone in a plain pool of 1 and of 2 threads.
+  Its speed-up at 2 threads is what the GIL lets that code reach before any loader is involved.
+- :func:`loader_cpu`: a loader's CPU per sample split by thread (torch_spdl names its threads
+  after their stage) or by process (torch's workers), so overhead outside the transform shows.
+- :func:`intra_op_effect`: one loader with torch's default intra-op threads and with one.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from torchvision import datasets
+
+from torch_spdl.io import decode_image
+
+from .images import classic_transform, crop_params, fast_transform, reduction
+from .measure import Variant, intra_op_threads, measure
+from .memory import tree
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
+    """CPU milliseconds per sample of each step, one thread (one intra-op thread too)."""
+    folder = datasets.ImageFolder(str(root))
+    paths = [path for path, _ in folder.samples[:images]]
+    raw = [bytearray(Path(p).read_bytes()) for p in paths]
+    pil_transform = classic_transform()
+
+    def pil_decode(data: bytearray) -> Image.Image:
+        return Image.open(io.BytesIO(data)).convert("RGB")
+
+    steps = {
+        "read file": lambda i: Path(paths[i]).read_bytes(),
+        "PIL decode": lambda i: pil_decode(raw[i]),
+        "PIL decode + classic transform": lambda i: pil_transform(pil_decode(raw[i])),
+        "torchvision decode (decode_image)": lambda i: decode_image(raw[i]),
+        "fast path (decode + crop + flip)": lambda i: fast_transform(raw[i]),
+    }
+    costs = {}
+    with intra_op_threads(1):  # one thread means one: no OpenMP helpers for torch's kernels
+        for name, step in steps.items():
+            step(0)  # first-call set-up is not per-sample cost
+            start = time.thread_time()
+            for i in range(len(raw)):
+                step(i)
+            costs[name] = (time.thread_time() - start) / len(raw) * 1000
+    costs["draft-eligible crops (%)"] = 100 * draft_eligible(folder.samples[:images])
+    return costs
+
+
+def draft_eligible(samples: Sequence[tuple[str, int]], draws: int = 20) -> float:
+    """The fraction of RandomResizedCrop draws on these images that a reduced decode could serve."""
+    hits = total = 0
+    for path, _ in samples:
+        with Image.open(path) as image:
+            width, height = image.size
+        for _ in range(draws):
+            _, _, h, w = crop_params(height, width)
+            hits += reduction(h, w) > 1
+            total += 1
+    return hits / total
+
+
+def pool_rate(work: Callable[[int], Any], items: int, threads: int) -> float:
+    """Items per second of ``work`` over ``range(items)`` on a pool of ``threads`` threads."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(work, range(items)):
+            pass
+    return items / (time.perf_counter() - start)
+
+
+def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, float]:
+    """Samples/s of each path's per-sample work on 1 and 2 plain threads, and the speed-up.
+
+    Rounds interleave the four runs; medians. The classic path is ``ImageFolder[i]`` (read, PIL
+    decode, transform); the fast path reads the file and calls :func:`fast_transform`.
+    """
+    folder = datasets.ImageFolder(str(root), transform=classic_transform())
+    paths = [path for path, _ in folder.samples]
+    count = min(items, len(paths))
+    works = {
+        "classic": folder.__getitem__,
+        "fast path": lambda i: fast_transform(bytearray(Path(paths[i]).read_bytes())),
+    }
+    rates: dict[tuple[str, int], list[float]] = {}
+    with intra_op_threads(1):
+        for _ in range(rounds):
+            for name, work in works.items():
+                for threads in (1, 2):
+                    rates.setdefault((name, threads), []).append(pool_rate(work, count, threads))
+    found = {}
+    for name in works:
+        one, two = (statistics.median(rates[name, t]) for t in (1, 2))
+        found[f"{name}, 1 thread (samples/s)"] = one
+        found[f"{name}, 2 threads (samples/s)"] = two
+        found[f"{name}, speed-up at 2 threads"] = two / one
+    return found
+
+
+def _cpu(path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds (0 if it is gone)."""
+    try:
+        stat = Path(path).read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _group(thread: threading.Thread | None) -> str:
+    """torch_spdl's threads are named ``torch_spdl.DataLoader-<id>:<stage>:<n>``."""
+    if thread is None:
+        return "other threads (OpenMP helpers)"
+    parts = thread.name.split(":")
+    if thread.name.startswith("torch_spdl.DataLoader") and len(parts) > 1:
+        return f"stage {parts[1]}"
+    return "main thread" if thread is threading.main_thread() else thread.name
+
+
+def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> dict[str, float]:
+    """CPU milliseconds per sample of a loader, by thread of this process and by child process.
+
+    Read after the last batch and before the loader is torn down, while every thread and
+    worker process is still there to be read.
+    """
+    me = os.getpid()
+    before = {int(t): _cpu(f"/proc/{me}/task/{t}/stat") for t in os.listdir(f"/proc/{me}/task")}
+    loader = make()
+    iterator = iter(loader)
+    for done, _ in enumerate(iterator, start=1):
+        if done == batches:
+            break
+    by_tid = {t.native_id: t for t in threading.enumerate()}
+    spent: Counter[str] = Counter()
+    for name in os.listdir(f"/proc/{me}/task"):
+        tid = int(name)
+        spent[_group(by_tid.get(tid))] += _cpu(f"/proc/{me}/task/{tid}/stat") - before.get(tid, 0)
+    for pid in tree(me):
+        if pid != me:
+            spent["worker processes"] += _cpu(f"/proc/{pid}/stat")
+    del iterator, loader
+    samples = batches * size
+    return {group: seconds / samples * 1000 for group, seconds in spent.most_common()}
+
+
+def intra_op_effect(variant: Variant, rounds: int = 3) -> dict[str, float]:
+    """Samples/s of one loader with torch's default intra-op threads and with one, interleaved.
+
+    torch's worker processes each call ``torch.set_num_threads(1)``, and torch_spdl's worker and
+    collate threads set the same count for themselves
+    (:func:`torch_spdl.workers.single_threaded_kernels`). Were they to keep the process's count,
+    every kernel they run (``torch.stack`` in collate, a resize) could start OpenMP helpers on
+    cores the other workers already use. Setting it process-wide should therefore change
+    nothing; a difference here means some thread still runs parallel kernels.
+    """
+    settings = {"default intra-op threads": None, "torch.set_num_threads(1)": 1}
+    rates: dict[str, list[float]] = {setting: [] for setting in settings}
+    for _ in range(rounds):
+        for setting, threads in settings.items():
+            with intra_op_threads(threads):
+                rates[setting].append(measure(variant).samples_per_s)
+    return {f"{variant.name}, {k} (samples/s)": statistics.median(v) for k, v in rates.items()}
