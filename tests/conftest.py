@@ -1,8 +1,10 @@
-"""Shared test helpers: the thread-leak check every shutdown test ends with."""
+"""Shared test helpers: the thread- and process-leak checks every shutdown test ends with."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import threading
 import time
 
@@ -27,3 +29,41 @@ def no_leak():
     yield before
     extra = wait_for_threads(before, within=1.0)
     assert not extra, f"threads left running: {sorted(t.name for t in extra)}"
+
+
+def child_pids() -> set[int]:
+    """Children of this process that exist (zombies included: an unreaped child is a leak too)."""
+    me = str(os.getpid())
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if fields[1] == me:
+            pids.add(int(entry))
+    return pids
+
+
+def helper_pids() -> set[int]:
+    """multiprocessing's own long-lived helpers (``spawn`` starts a resource tracker)."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
+@pytest.fixture
+def no_child_left(no_leak):
+    """No thread left (``no_leak``), and no child process either, zombies included."""
+    before = child_pids()
+    yield
+    left = multiprocessing.active_children()
+    for process in left:  # reported below; killed so that one failure does not fail every test
+        process.kill()
+        process.join()
+    assert left == []
+    assert child_pids() - before - helper_pids() == set()

@@ -8,7 +8,6 @@ checked at once, without waiting: stopping a pipeline joins its processes before
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
@@ -27,42 +26,7 @@ N = 23  # prime: no batch size divides it
 EPOCHS = 2
 
 
-# -- no child process left behind ---------------------------------------------------------------
-def child_pids() -> set[int]:
-    """Children of this process that exist (zombies included: an unreaped child is a leak too)."""
-    me = str(os.getpid())
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if fields[1] == me:
-            pids.add(int(entry))
-    return pids
-
-
-def helper_pids() -> set[int]:
-    """multiprocessing's own long-lived helpers (``spawn`` starts a resource tracker)."""
-    from multiprocessing import resource_tracker
-
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {pid} if pid else set()
-
-
-@pytest.fixture(autouse=True)
-def no_children(no_leak):
-    before = child_pids()
-    yield
-    left = multiprocessing.active_children()
-    for process in left:  # reported below; killed so that one failure does not fail every test
-        process.kill()
-        process.join()
-    assert left == []
-    assert child_pids() - before - helper_pids() == set()
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 # -- datasets (module level: a spawned worker imports them) --------------------------------------
@@ -535,61 +499,6 @@ def test_a_dataset_spawn_cannot_pickle_fails_at_iter():
     loader = ours(Unpicklable(), num_workers=2, multiprocessing_context="spawn")
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="pickle"):
         iter(loader)
-
-
-# -- shutdown: every path joins the processes ------------------------------------------------------
-LOADERS = {
-    "fetch": lambda: ours(Squares(40), batch_size=2, num_workers=2),
-    "hooks": lambda: ours(StagedSquares(40), batch_size=2, num_workers=2, io_workers=3),
-    "iterable": lambda: ours(Range(), batch_size=2, num_workers=2),
-    "unordered": lambda: ours(Squares(40), batch_size=2, num_workers=2, in_order=False),
-}
-EACH_LOADER = pytest.mark.parametrize("loader", LOADERS.values(), ids=LOADERS.keys())
-
-
-@EACH_LOADER
-def test_exhaustion(loader):
-    assert len(list(loader())) > 0
-
-
-@EACH_LOADER
-def test_break(loader):
-    for _ in loader():
-        assert len(multiprocessing.active_children()) == 2
-        break
-
-
-@EACH_LOADER
-def test_del_iterator(loader):
-    it = iter(loader())
-    next(it)
-    del it
-
-
-@EACH_LOADER
-def test_garbage_collected_cycle(loader):
-    it = iter(loader())
-    next(it)
-    holder = [it]
-    holder.append(holder)
-    del it, holder
-    gc.collect()
-
-
-@EACH_LOADER
-def test_exception_in_consumer(loader):
-    with pytest.raises(ZeroDivisionError):
-        for _ in loader():
-            raise ZeroDivisionError
-
-
-@EACH_LOADER
-def test_close(loader):
-    it = iter(loader())
-    next(it)
-    it.close()
-    assert multiprocessing.active_children() == []
-    del it
 
 
 # -- arguments -------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Each test ends with the ``no_leak`` check: ``threading.enumerate()`` back to its
 
 from __future__ import annotations
 
+import functools
 import gc
+import multiprocessing
 import signal
 import threading
 
@@ -18,7 +20,7 @@ from torch.utils.data import Dataset, IterableDataset
 from torch_spdl import DataLoader, StagedDataset
 from torch_spdl.pipeline import Pipeline, Stage
 
-pytestmark = pytest.mark.usefixtures("no_leak")
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 class Numbers(Dataset):
@@ -52,11 +54,21 @@ class Stream(IterableDataset):
 
 
 def loaders():
+    """Each case with worker threads and with worker processes (``worker_method="process"``)."""
+    cases = {
+        "fetch": lambda **kw: DataLoader(Numbers(), batch_size=2, num_workers=2, **kw),
+        "hooks": lambda **kw: DataLoader(
+            StagedNumbers(), batch_size=2, num_workers=2, io_workers=3, **kw
+        ),
+        "iterable": lambda **kw: DataLoader(Stream(), batch_size=2, num_workers=2, **kw),
+        "unordered": lambda **kw: DataLoader(
+            Numbers(), batch_size=2, num_workers=2, in_order=False, **kw
+        ),
+    }
     return {
-        "fetch": lambda: DataLoader(Numbers(), batch_size=2, num_workers=2),
-        "hooks": lambda: DataLoader(StagedNumbers(), batch_size=2, num_workers=2, io_workers=3),
-        "iterable": lambda: DataLoader(Stream(), batch_size=2, num_workers=2),
-        "unordered": lambda: DataLoader(Numbers(), batch_size=2, num_workers=2, in_order=False),
+        f"{name}-{method}": functools.partial(case, worker_method=method)
+        for name, case in cases.items()
+        for method in ("thread", "process")
     }
 
 
@@ -71,7 +83,18 @@ def test_exhaustion(make):
 @LOADERS
 def test_break(make):
     for _ in make():
+        processes = make.keywords["worker_method"] == "process"
+        assert len(multiprocessing.active_children()) == (2 if processes else 0)
         break
+
+
+@LOADERS
+def test_close(make):
+    it = iter(make())
+    next(it)
+    it.close()
+    assert multiprocessing.active_children() == []
+    del it
 
 
 @LOADERS
