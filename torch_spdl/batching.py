@@ -8,13 +8,13 @@ order — so a bucketing batch sampler keeps its buckets whichever order samples
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from .failures import SKIPPED, FailureBudget, gather
+from .failures import SKIPPED, FailureBudget, Step, gather
 from .pipeline import Failure
 from .workers import single_threaded_kernels
 
@@ -80,30 +80,39 @@ def batch_fetcher(
 def tolerant_fetcher(
     dataset: Any, auto_collation: bool, finish: Collate, budget: FailureBudget
 ) -> Callable[[FetchTask], Any]:
-    """A batch of the samples that could be read; :data:`SKIPPED` if none could.
-
-    ``__getitems__`` reads the batch at once; if it raises, the samples are read one by one with
-    ``__getitem__`` to find out which of them fail.
-    """
+    """The ``fetch`` stage under a failure budget: :func:`tolerant_batch` over ``__getitem__``."""
     getitems = getattr(dataset, "__getitems__", None)
     steps = [("fetch", dataset.__getitem__)]
+    return lambda task: tolerant_batch(task.index, auto_collation, steps, finish, budget, getitems)
 
-    def fetch(task: FetchTask) -> Any:
-        indices = task.index if auto_collation else [task.index]
-        data = None
-        if getitems and auto_collation:
-            try:
-                data = getitems(indices)
-                budget.saw(len(indices))
-            except Exception:
-                data = None
-        if data is None:
-            data = gather(indices, steps, budget)
-        if not data and indices:
-            return SKIPPED
-        return finish(data if auto_collation else data[0])
 
-    return fetch
+def tolerant_batch(
+    index: Any,
+    auto_collation: bool,
+    steps: Sequence[Step],
+    finish: Collate,
+    budget: FailureBudget,
+    getitems: Callable[[list[Any]], list[Any]] | None = None,
+) -> Any:
+    """The batch of the samples of ``index`` that made it through ``steps``; :data:`SKIPPED` if
+    none did.
+
+    ``getitems`` (a dataset's ``__getitems__``), where given, reads the batch at once; if it
+    raises, the samples are read one by one through ``steps`` to find out which of them fail.
+    """
+    indices = index if auto_collation else [index]
+    data = None
+    if getitems and auto_collation:
+        try:
+            data = getitems(indices)
+            budget.saw(len(indices))
+        except Exception:
+            data = None
+    if data is None:
+        data = gather(indices, steps, budget)
+    if not data and indices:
+        return SKIPPED
+    return finish(data if auto_collation else data[0])
 
 
 # -- sample-level tasks (hooks) ------------------------------------------------------------------

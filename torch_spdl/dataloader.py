@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch.utils.data
@@ -30,10 +30,11 @@ from .batching import (
     finisher,
     sample_stage,
     sample_tasks,
+    tolerant_batch,
     tolerant_batches,
 )
 from .cache import ByteLRU, CacheStats, cached
-from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures, gather
+from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stats import StageStats, call_timed
@@ -361,7 +362,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[Any], Any]:
         hooks = loader._hooks
         if self._budget.enabled and self._dataset_kind == _DatasetKind.Iterable:
-            batches = self._tolerant_batches(self._dataset)
+            batches = self._iterable_worker()(0)  # the tolerant batches a worker would make
             return lambda index: next(batches)
         if self._budget.enabled and hooks is None:
             fetch = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -394,19 +395,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]
     ) -> Callable[[Any], Any]:
         steps = [("load", load), ("preprocess", preprocess)]
-
-        def fetch(index: Any) -> Any:
-            indices = index if self._auto_collation else [index]
-            data = gather(indices, steps, self._budget)
-            if not data and indices:
-                return SKIPPED
-            return self._finish(data if self._auto_collation else data[0])
-
-        return fetch
-
-    def _tolerant_batches(self, dataset: Any) -> Iterator[Any]:
-        batch_size = self._index_sampler.batch_size if self._auto_collation else None
-        return tolerant_batches(dataset, batch_size, self._drop_last, self._finish, self._budget)
+        auto, finish, budget = self._auto_collation, self._finish, self._budget
+        return lambda index: tolerant_batch(index, auto, steps, finish, budget)
 
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
