@@ -30,6 +30,7 @@ import torch
 import torch.utils.data
 
 import torch_spdl
+from torch_spdl.bench import memory
 
 
 def python_loop(index: int, work: int) -> int:
@@ -111,20 +112,9 @@ class PoolPass:
 
 def cpu_seconds() -> float:
     """CPU time of this process (all threads) and of its live children, from ``/proc``."""
-    total = time.process_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    me = str(os.getpid())
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-    return total
+    return time.process_time() + sum(
+        memory.cpu_seconds(f"/proc/{pid}/stat") for pid in memory.children()
+    )
 
 
 def epoch(loader: Iterable[object]) -> tuple[float, float]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
-import os
 import threading
 import time
 
 import pytest
+
+from torch_spdl.bench.memory import children
 
 
 def wait_for_threads(before: set[threading.Thread], within: float = 1.0) -> set[threading.Thread]:
@@ -33,19 +34,7 @@ def no_leak():
 
 def child_pids() -> set[int]:
     """Children of this process that exist (zombies included: an unreaped child is a leak too)."""
-    me = str(os.getpid())
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if fields[1] == me:
-            pids.add(int(entry))
-    return pids
+    return children()
 
 
 def helper_pids() -> set[int]:

@@ -30,7 +30,7 @@ import torchvision
 
 from . import images, memory, profile, remote, report, strings
 from .data import ImageSpec, synthetic_imagefolder
-from .measure import Result, Variant, intra_op_threads, run_rounds
+from .measure import Result, Variant, run_rounds
 from .targets import evaluate
 
 WORKLOADS = ("A", "B", "C")
@@ -173,10 +173,9 @@ def analyse_images(
     }
     for variant in variants:
         if variant.workers == 2 and variant.loader != images.PLAIN:
-            with intra_op_threads(variant.intra_op_threads):
-                found["loader_cpu_ms"][variant.name] = profile.loader_cpu(
-                    variant.make, variant.batches, images.BATCH
-                )
+            found["loader_cpu_ms"][variant.name] = profile.loader_cpu(
+                variant.make, variant.batches, images.BATCH
+            )
         if variant.workers == 2 and variant.loader == images.SWAPPED:
             found["intra_op_threads"] = profile.intra_op_effect(variant, rounds=1 if small else 3)
     return found

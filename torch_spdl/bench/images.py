@@ -39,14 +39,13 @@ import torch_spdl
 from torch_spdl.io import collate_images, decode_image
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
 
-from .measure import Variant
+from .measure import TORCH, Variant
 
 SIZE = 224
 BATCH = 64
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults, which the fast path must draw from too
 RATIO = (3 / 4, 4 / 3)
 IO_WORKERS = 4  # reading a cached file takes tens of microseconds: a few threads keep up
-TORCH = "torch"
 SWAPPED = "torch_spdl"
 HOOKS = "torch_spdl hooks+fast path"
 PLAIN = "plain loop, 1 thread"
@@ -110,7 +109,7 @@ def fast_transform(data: bytearray) -> torch.Tensor:
         image = None
     top, left, height, width = crop_params(*dimensions)
     scale = reduction(height, width)
-    if scale > 1:
+    if scale > 1 and image is None:  # draft mode is JPEG's: a decoded non-JPEG stays as it is
         image = decode_reduced(data, scale)
         # libjpeg rounds the reduced size up: map the crop with the sizes it really produced
         rows, cols = image.shape[-2:]

@@ -41,12 +41,14 @@ class Variant:
     count: Callable[[Any], int] = field(repr=False, compare=False)  # samples in a batch
     check: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
     exclude_pids: tuple[int, ...] = ()  # processes that are not the loader's (the HTTP server)
-    intra_op_threads: int | None = None  # torch.set_num_threads while measured; None: as it is
     note: str = ""
 
     @property
     def name(self) -> str:
         return f"{self.workload} {self.loader} ({self.workers})"
+
+
+TORCH = "torch"  # every workload's series for torch's own DataLoader: what ratios compare with
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,6 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
 
 def measure(variant: Variant) -> Sample:
     """Iterate a fresh loader for ``variant.batches`` batches (all of it if 0) and time it."""
-    with intra_op_threads(variant.intra_op_threads):
-        return _measure(variant)
-
-
-def _measure(variant: Variant) -> Sample:
     loader = variant.make()
     # "All of it" is counted out rather than run to exhaustion: torch shuts its workers down when
     # asked for the batch after the last, and the reading after the loop must still see them.

@@ -30,20 +30,38 @@ def available() -> bool:
     return (PROC / "self" / "smaps_rollup").exists()
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def stat_fields(path: Path | str) -> list[str] | None:
+    """The fields of a ``/proc/.../stat`` file after the command name (None if it is gone)."""
+    try:
+        stat = Path(path).read_text()
+    except OSError:  # exited meanwhile, or not ours to read
+        return None
+    # the command name (field 2) may hold spaces and parentheses: parse after its last ')'
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(path: Path | str) -> float:
+    """utime + stime of a ``/proc/.../stat`` file, in seconds (0 if it is gone)."""
+    fields = stat_fields(path)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / TICKS
+
+
 def parents() -> dict[int, int]:
     """``pid → parent pid`` of every process we can see."""
     table: dict[int, int] = {}
     for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile, or not ours to read
-            continue
-        # the command name (field 2) may hold spaces and parentheses: parse after its last ')'
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry.name)] = int(fields[1])
+        if entry.name.isdigit() and (fields := stat_fields(entry / "stat")) is not None:
+            table[int(entry.name)] = int(fields[1])
     return table
+
+
+def children(pid: int | None = None) -> set[int]:
+    """The direct children of ``pid`` (this process by default), zombies included."""
+    pid = os.getpid() if pid is None else pid
+    return {child for child, parent in parents().items() if parent == pid}
 
 
 def tree(root: int, exclude: Iterable[int] = ()) -> list[int]:

@@ -32,9 +32,7 @@ from torch_spdl.io import decode_image
 
 from .images import classic_transform, crop_params, fast_transform, reduction
 from .measure import Variant, intra_op_threads, measure
-from .memory import tree
-
-TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from .memory import cpu_seconds, tree
 
 
 def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
@@ -116,16 +114,6 @@ def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, f
     return found
 
 
-def _cpu(path: str) -> float:
-    """utime + stime of a /proc stat file, in seconds (0 if it is gone)."""
-    try:
-        stat = Path(path).read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def _group(thread: threading.Thread | None) -> str:
     """torch_spdl's threads are named ``torch_spdl.DataLoader-<id>:<stage>:<n>``."""
     if thread is None:
@@ -143,7 +131,9 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
     worker process is still there to be read.
     """
     me = os.getpid()
-    before = {int(t): _cpu(f"/proc/{me}/task/{t}/stat") for t in os.listdir(f"/proc/{me}/task")}
+    before = {
+        int(t): cpu_seconds(f"/proc/{me}/task/{t}/stat") for t in os.listdir(f"/proc/{me}/task")
+    }
     loader = make()
     iterator = iter(loader)
     for done, _ in enumerate(iterator, start=1):
@@ -153,10 +143,11 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
     spent: Counter[str] = Counter()
     for name in os.listdir(f"/proc/{me}/task"):
         tid = int(name)
-        spent[_group(by_tid.get(tid))] += _cpu(f"/proc/{me}/task/{tid}/stat") - before.get(tid, 0)
+        used = cpu_seconds(f"/proc/{me}/task/{tid}/stat") - before.get(tid, 0)
+        spent[_group(by_tid.get(tid))] += used
     for pid in tree(me):
         if pid != me:
-            spent["worker processes"] += _cpu(f"/proc/{pid}/stat")
+            spent["worker processes"] += cpu_seconds(f"/proc/{pid}/stat")
     del iterator, loader
     samples = batches * size
     return {group: seconds / samples * 1000 for group, seconds in spent.most_common()}

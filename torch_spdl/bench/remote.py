@@ -20,13 +20,12 @@ import torch.utils.data
 import torch_spdl
 
 from .http import BODY_BYTES, HOST, HttpItems, http_server
-from .measure import Variant
+from .measure import TORCH, Variant
 from .server import item_body
 
 BATCH = 16
 LATENCY_MS = 20.0
 SPDL_THREADS = 2  # num_workers for preprocess (bytes → tensor): the CPU part is tiny
-TORCH = "torch"
 SPDL = "torch_spdl async load"
 
 

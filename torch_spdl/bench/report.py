@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import images
-from .measure import Result
+from .measure import TORCH, Result
 from .targets import Lookup, Target
 
 COLUMNS = (
@@ -50,7 +50,7 @@ def plotting_available() -> bool:
 
 
 def torch_best(results: Sequence[Result], workload: str) -> Result | None:
-    return Lookup(results).fastest(workload, "torch")
+    return Lookup(results).fastest(workload, TORCH)
 
 
 def _ratio(mine: float, theirs: float | None) -> str:
@@ -66,8 +66,9 @@ def table(results: Sequence[Result], rounds: int) -> str:
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" if i < 3 or i == 9 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
+    best = {workload: torch_best(results, workload) for workload in {r.workload for r in results}}
     for result in results:
-        ref = torch_best(results, result.workload)
+        ref = best[result.workload]
         cells = [
             result.workload,
             result.loader,

@@ -20,10 +20,9 @@ import torch.utils.data
 
 import torch_spdl
 
-from .measure import Variant
+from .measure import TORCH, Variant
 
 BATCH = 512
-TORCH = "torch"
 SPDL = "torch_spdl"
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import images, remote, strings
-from .measure import Result
+from .measure import TORCH, Result
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def images_targets(find: Lookup) -> list[Target]:
     """The import swapped at torch's best ``num_workers`` (nothing else changed), and the
     fastest hooks variant, against torch's fastest."""
     plain = find.at("A", images.PLAIN, 1)
-    best = find.fastest("A", images.TORCH)
+    best = find.fastest("A", TORCH)
     if plain is None or best is None:
         return []
     found: list[Target] = []
@@ -119,8 +119,8 @@ def images_targets(find: Lookup) -> list[Target]:
 
 def remote_targets(find: Lookup) -> list[Target]:
     """torch_spdl's fastest against torch with the fewest and the most worker processes."""
-    few = find.by_workers("B", remote.TORCH, min)
-    many = find.by_workers("B", remote.TORCH, max)
+    few = find.by_workers("B", TORCH, min)
+    many = find.by_workers("B", TORCH, max)
     spdl = find.fastest("B", remote.SPDL)
     if few is None or spdl is None:
         return []
@@ -133,8 +133,8 @@ def remote_targets(find: Lookup) -> list[Target]:
 def strings_targets(find: Lookup) -> list[Target]:
     """torch_spdl with the fewest worker threads against torch's most worker processes (memory)
     and torch in the calling thread (speed)."""
-    forked = find.by_workers("C", strings.TORCH, max)
-    inline = find.at("C", strings.TORCH, 0)
+    forked = find.by_workers("C", TORCH, max)
+    inline = find.at("C", TORCH, 0)
     threads = [r for r in find.all("C", strings.SPDL) if r.workers > 0]
     if forked is None or forked.workers == 0 or not threads:
         return []
