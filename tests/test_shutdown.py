@@ -228,21 +228,45 @@ def test_stage_error_same_type_names_stage_and_index(stage, expected, error, in_
         assert seen == [0, 1, 2, 3, 4, 5]  # torch's order: the failing batch raises in its place
 
 
+def drain(iterator):
+    """Every batch as a list, and ``"error"`` for each ValueError, until the iterator ends."""
+    out = []
+    while True:
+        try:
+            out.append(next(iterator).tolist())
+        except StopIteration:
+            return out
+        except ValueError:
+            out.append("error")
+
+
 def test_iteration_goes_on_after_an_error_like_torch():
     loader = DataLoader(Fails("load", ValueError), batch_size=3, num_workers=2)
     torch_loader = torch.utils.data.DataLoader(Fails("load", ValueError), batch_size=3)
-
-    def drain(it):
-        out = []
-        while True:
-            try:
-                out.append(next(it).tolist())
-            except StopIteration:
-                return out
-            except ValueError:
-                out.append("error")
-
     assert drain(iter(loader)) == drain(iter(torch_loader))
+
+
+class RaisesOnce(IterableDataset):
+    """An iterator object (not a generator) that raises at item 3 and then goes on."""
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    def __next__(self):
+        self.i += 1
+        if self.i > 6:
+            raise StopIteration
+        if self.i == 3:
+            raise ValueError("bad record 3")
+        return torch.tensor(self.i)
+
+
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_iterable_goes_on_after_an_error_like_torch(worker_method):
+    want = drain(iter(torch.utils.data.DataLoader(RaisesOnce(), batch_size=None, num_workers=1)))
+    loader = DataLoader(RaisesOnce(), batch_size=None, num_workers=1, worker_method=worker_method)
+    assert drain(iter(loader)) == want == [1, 2, "error", 4, 5, 6]
 
 
 def test_collate_error_names_the_collate_stage():

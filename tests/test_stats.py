@@ -205,8 +205,10 @@ def test_profile_rejects_an_iterable_dataset():
         torch_spdl.profile(DataLoader(Stream(), batch_size=2), file=None)
 
 
-def test_a_process_stage_is_reported_as_one():
-    loader = DataLoader(Numbers(16), batch_size=4, num_workers=2, worker_method="process")
+@pytest.mark.parametrize("num_workers, kind", [(2, "process"), (0, "inline")])
+def test_a_process_stage_is_reported_as_one(num_workers, kind):
+    loader = DataLoader(Numbers(16), batch_size=4, num_workers=num_workers, worker_method="process")
     assert len(list(loader)) == 4
     (fetch,) = loader.stats().stages
-    assert (fetch.name, fetch.kind, fetch.workers, fetch.done) == ("fetch", "process", 2, 4)
+    workers = max(num_workers, 1)
+    assert (fetch.name, fetch.kind, fetch.workers, fetch.done) == ("fetch", kind, workers, 4)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory
+from torch.utils.data.dataloader import _DatasetKind
 
 from .failures import SKIPPED, FailureBudget, Step, gather
 from .pipeline import Failure
@@ -239,6 +240,34 @@ def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
         return Failure.capture(
             f"in stage 'collate' for the batch of dataset indices {first.batch}", first
         )
+
+
+# -- iterable datasets --------------------------------------------------------------------------
+class IterableBatches:
+    """torch's worker loop for an IterableDataset: its own iterator, batched by torch's fetcher.
+
+    An iterator object rather than a generator, so an error from one ``next()`` does not end it:
+    a dataset whose iterator goes on after raising goes on here too, as in torch's workers.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        auto_collation: bool,
+        finish: Collate,
+        drop_last: bool,
+        batch_size: int | None,
+    ) -> None:
+        self._fetcher = _DatasetKind.create_fetcher(
+            _DatasetKind.Iterable, dataset, auto_collation, finish, drop_last
+        )
+        self._index = [None] * batch_size if auto_collation else None
+
+    def __iter__(self) -> IterableBatches:
+        return self
+
+    def __next__(self) -> Any:
+        return self._fetcher.fetch(self._index)
 
 
 # -- iterable datasets with a failure budget ----------------------------------------------------

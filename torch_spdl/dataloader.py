@@ -23,6 +23,7 @@ from . import resume
 from .batching import (
     Assembler,
     FetchTask,
+    IterableBatches,
     SampleTask,
     async_sample_stage,
     batch_fetcher,
@@ -149,7 +150,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self.cache_bytes = cache_bytes
         self.preload = preload
-        uses_processes(worker_method)  # validates it
+        processes = uses_processes(worker_method)  # validates it
         self.worker_method = worker_method
         self._cache = self._make_cache()
         self._preloaded = False
@@ -161,7 +162,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
         self.max_failures = check_max_failures(max_failures)
-        if max_failures and uses_processes(worker_method) and self._hooks is None:
+        if max_failures and processes and self._hooks is None:
             raise ValueError(
                 "max_failures with worker_method='process' needs a dataset split into load and "
                 "preprocess hooks (a StagedDataset, load_fn=/preprocess_fn=, or an ImageFolder): "
@@ -310,8 +311,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 class _ThreadDataLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
         resumed = resume.take_continuation(loader)
-        with resume.global_rng_untouched(resumed is not None and loader.generator is None):
-            super().__init__(loader)  # a resumed pass's seeds come from the state
+        # a resumed pass's seeds come from the state: undo the base_seed draw on the global RNG
+        undo_draw = resumed is not None and loader.generator is None
+        with torch.random.fork_rng(devices=[], enabled=undo_draw):
+            super().__init__(loader)
         self._pass = resume.start_pass(self, loader, resumed, prime=self._num_workers > 0)
         if self._num_workers == 0 and self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
@@ -326,9 +329,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         self._finish = finisher(self._collate_fn, self._pin_device())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
-        self.stats_probe = StatsProbe(
-            self._clock, self._budget, uses_processes(loader.worker_method)
-        )
+        processes = uses_processes(loader.worker_method) and self._num_workers > 0
+        self.stats_probe = StatsProbe(self._clock, self._budget, processes)
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
@@ -490,29 +492,21 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             Stream("collate", assembler, on_restart=assembler.restart),
         ]
 
+    def _iterable_batch_size(self) -> int | None:
+        return self._index_sampler.batch_size if self._auto_collation else None
+
     def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
         """What torch's worker process does for an IterableDataset: its own iterator, batched.
 
         A closure over plain values, not a bound method: the worker threads must not hold the
         iterator, or dropping it could never stop them.
         """
-        kind, dataset, auto = self._dataset_kind, self._dataset, self._auto_collation
-        finish, drop_last = self._finish, self._drop_last
-        index = [None] * self._index_sampler.batch_size if auto else None
+        dataset, auto, finish = self._dataset, self._auto_collation, self._finish
+        drop_last, batch_size = self._drop_last, self._iterable_batch_size()
         if self._budget.enabled:
-            batch_size = self._index_sampler.batch_size if auto else None
             args = (dataset, batch_size, drop_last, finish, self._budget)
             return lambda worker_id: tolerant_batches(*args)
-
-        def batches(worker_id: int) -> Iterable[Any]:
-            fetcher = _DatasetKind.create_fetcher(kind, dataset, auto, finish, drop_last)
-            while True:
-                try:
-                    yield fetcher.fetch(index)
-                except StopIteration:
-                    return
-
-        return batches
+        return lambda worker_id: IterableBatches(dataset, auto, finish, drop_last, batch_size)
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_index(self) -> Any:

@@ -28,6 +28,7 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import random
@@ -50,7 +51,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torch.utils.data._utils.worker import ManagerWatchdog, WorkerInfo, _generate_state
 from torch.utils.data.dataloader import _DatasetKind
 
-from .batching import FetchTask, SampleTask, batch_fetcher
+from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
 from .pipeline import Failure, Pipeline
 from .workers import set_process_worker_info, thread_rng
 
@@ -148,10 +149,15 @@ class FetchJob:
     def reset(self, worker: int) -> Reply:
         return READY, None
 
+    @functools.cached_property
+    def _fetch(self) -> Callable[[FetchTask], Any]:
+        """Built once, in the worker (a spawned worker unpickles the job without it)."""
+        return batch_fetcher(self.dataset, self.auto_collation, self.collate_fn)
+
     def run(self, index: Any, worker: int) -> Reply:
         task = FetchTask(index)
         try:
-            return OK, batch_fetcher(self.dataset, self.auto_collation, self.collate_fn)(task)
+            return OK, self._fetch(task)
         except Exception:
             return ERROR, ExceptionWrapper(where=_where(self.stage, worker, task.describe()))
 
@@ -189,26 +195,21 @@ class IterableJob:
     collate_fn: Callable[[Any], Any]
     drop_last: bool
     batch_size: int | None
-    _fetcher: Any = field(default=None, init=False, repr=False)
+    _batches: IterableBatches | None = field(default=None, init=False, repr=False)
 
     def reset(self, worker: int) -> Reply:
-        self._fetcher = None
+        self._batches = None
         try:
-            self._fetcher = _DatasetKind.create_fetcher(
-                _DatasetKind.Iterable,
-                self.dataset,
-                self.auto_collation,
-                self.collate_fn,
-                self.drop_last,
+            self._batches = IterableBatches(
+                self.dataset, self.auto_collation, self.collate_fn, self.drop_last, self.batch_size
             )
         except Exception:
             return ERROR, ExceptionWrapper(where=_where(self.stage, worker))
         return READY, None
 
     def run(self, request: None, worker: int) -> Reply:
-        index = [None] * self.batch_size if self.auto_collation else None
         try:
-            return OK, self._fetcher.fetch(index)
+            return OK, next(self._batches)
         except StopIteration:
             return END, None
         except Exception:
@@ -534,7 +535,7 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
     torch.utils.data.DataLoader.check_worker_number_rationality(loader)
     auto, collate = iterator._auto_collation, iterator._collate_fn
     if iterator._dataset_kind == _DatasetKind.Iterable:
-        batch_size = iterator._index_sampler.batch_size if auto else None
+        batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(
             iterator._dataset, loader.dataset, auto, collate, iterator._drop_last, batch_size
         )

@@ -36,7 +36,6 @@ starts as an uninterrupted run's would), and asking for it mid-pass raises.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 from collections.abc import Iterable, Iterator
@@ -78,18 +77,6 @@ def generator_state(generator: torch.Generator | None) -> bytes | None:
 def set_generator_state(generator: torch.Generator | None, state: bytes | None) -> None:
     if generator is not None and state is not None:
         generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-
-
-@contextlib.contextmanager
-def global_rng_untouched(active: bool) -> Iterator[None]:
-    """Undo the global-RNG draws made inside (the resumed iterator's ``base_seed`` draw, which
-    the interrupted run made before its checkpoint, not after it)."""
-    state = torch.get_rng_state() if active else None
-    try:
-        yield
-    finally:
-        if state is not None:
-            torch.set_rng_state(state)
 
 
 def _length(obj: Any) -> int | None:
