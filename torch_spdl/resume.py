@@ -203,16 +203,14 @@ class _Replay:
         self._record = record
         self._it: Iterator[Any] | None = None
 
-    def __iter__(self) -> _Replay:
-        return self
+    def __iter__(self) -> Iterator[Any]:
+        """The replayed sampler's own iterator, so drawing an index costs no wrapper call."""
+        return self.start()
 
-    def __next__(self) -> Any:
-        self.start()
-        return next(self._it)
-
-    def start(self) -> None:
+    def start(self) -> Iterator[Any]:
         if self._it is None:
             self._it = self._begin()
+        return self._it
 
     def _begin(self) -> Iterator[Any]:
         sampler, saved = self._sampler, self._record.sampler_rng
