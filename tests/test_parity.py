@@ -574,12 +574,50 @@ def test_iterable_length_warning_matches_torch(num_workers):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             batches = [to_py(batch) for batch in loader]
-        text = [str(w.message) for w in caught if "Length of IterableDataset" in str(w.message)]
-        return batches, text
+        ours = [w for w in caught if "Length of IterableDataset" in str(w.message)]
+        # the warning points at the loop that iterates, as torch's does
+        return batches, [(str(w.message), w.filename) for w in ours]
 
     want = messages(tud.DataLoader)
     assert len(want[1]) == 3  # samples 6, 7 and 8
+    assert {filename for _, filename in want[1]} == {__file__}
     assert messages(torch_spdl.DataLoader) == want
+
+
+def profiled_regions(cls, num_workers):
+    """How many ``enumerate(DataLoader)#...`` regions a CPU profile of one pass records."""
+    loader = cls(list(range(N)), batch_size=4, num_workers=num_workers)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        batches = [to_py(batch) for batch in loader]
+    names = [e.name for e in profiler.events() if e.name.startswith("enumerate(DataLoader)#")]
+    return batches, len(names)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_profiler_records_a_region_per_next_as_torch_does(num_workers):
+    want = profiled_regions(tud.DataLoader, 0)
+    assert want[1] == -(-N // 4) + 1  # the batches and the StopIteration
+    assert profiled_regions(torch_spdl.DataLoader, num_workers) == want
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_no_record_function_region_without_a_profiler(num_workers, monkeypatch):
+    """Entering the region calls torch ops that release the GIL; with nobody recording, the
+    iterator must not hand the GIL to its workers twice per batch for nothing."""
+    entered = []
+    real = torch.autograd.profiler.record_function
+
+    def counting(*args, **kwargs):
+        entered.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)
+    batches = list(torch_spdl.DataLoader(list(range(N)), batch_size=4, num_workers=num_workers))
+    assert len(batches) == -(-N // 4)
+    assert entered == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert len(list(torch_spdl.DataLoader(list(range(N)), batch_size=4))) == len(batches)
+    assert len(entered) == len(batches) + 1
 
 
 # -- completion order ----------------------------------------------------------------------------
