@@ -49,6 +49,24 @@ def fetch_tasks(index_iter: Iterable[Any]) -> Iterator[FetchTask]:
     return (FetchTask(index) for index in index_iter)
 
 
+def read_each(dataset: Any, task: FetchTask) -> list[Any]:
+    """``[dataset[i] for i in task.index]``, naming the index that raised in ``task.current``.
+
+    The loop variable says which index raised, so the loop stores nothing per sample: an
+    attribute store per index cost a tenth of the throughput of batches of cheap samples.
+    """
+    data: list[Any] = []
+    append = data.append
+    index = None
+    try:
+        for index in task.index:
+            append(dataset[index])
+    except Exception:
+        task.current = index
+        raise
+    return data
+
+
 def batch_fetcher(
     dataset: Any, auto_collation: bool, finish: Collate, budget: FailureBudget | None = None
 ) -> Callable[[FetchTask], Any]:
@@ -68,10 +86,7 @@ def batch_fetcher(
             task.current = task.index
             data = getitems(task.index)
         else:
-            data = []
-            for index in task.index:
-                task.current = index
-                data.append(dataset[index])
+            data = read_each(dataset, task)
         task.current = None
         return finish(data)
 
