@@ -73,8 +73,12 @@ class SharedReader:
         self._stop = stop
         self._fatal = fatal
         # Re-entrant: setting the stop signal from inside get() (a failing sampler) calls back
-        # into _wake_all on this same thread.
-        self._cond = threading.Condition(threading.RLock())
+        # into _wake_all on this same thread. Two conditions on the one lock, so a released slot
+        # wakes the thread waiting for budget and never one waiting for its turn: that one would
+        # only take the GIL from the thread that can go on, and go back to sleep.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # an epoch has begun, or the source is free
+        self._budget = threading.Condition(lock)  # a slot is free
         self._limit = source.max_in_flight
         self._free = self._limit
         self._iterator: Iterator[Any] | None = None
@@ -89,6 +93,7 @@ class SharedReader:
     def _wake_all(self) -> None:
         with self._cond:
             self._cond.notify_all()
+            self._budget.notify_all()
 
     def start_epoch(self, iterable: Iterable[Any]) -> tuple[int, int]:
         """Begin a new epoch over ``iterable``; returns ``(epoch, base seq)``."""
@@ -98,13 +103,13 @@ class SharedReader:
             self._free = self._limit
             self._last_local = object()
             self._iterator = iter(iterable)
-            self._cond.notify_all()
+            self._wake_all()
             return self._epoch, self._base
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def release(self, seq: int) -> None:
         """The consumer is done with ``seq``: one more may enter (unless ``seq`` is stale)."""
@@ -113,10 +118,7 @@ class SharedReader:
         with self._cond:
             if seq >= self._base:
                 self._free += 1
-                # One wake-up is enough: only the busy thread waits for budget, and it queued on
-                # the condition before any thread waiting for its turn could (they need the lock,
-                # which the busy thread holds until it waits), so the FIFO wakes it first.
-                self._cond.notify()
+                self._budget.notify()  # only the busy thread waits for budget
 
     def _wait_for_turn(self) -> None:
         """Wait until an epoch is running and no other thread is inside the source.
@@ -143,7 +145,7 @@ class SharedReader:
                     numbered = self._take()
                 finally:
                     self._busy = False
-                    self._cond.notify_all()
+                    self._cond.notify()  # the next thread's turn
                 if numbered is not None:
                     return numbered
 
@@ -174,7 +176,7 @@ class SharedReader:
         while self._free == 0 and self._epoch == epoch:
             if self._stop.is_set():
                 raise Stopped
-            self._cond.wait()
+            self._budget.wait()
         if self._epoch != epoch:
             return False
         self._free -= 1
