@@ -549,12 +549,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             return data
         deadline = None if not self._timeout else time.monotonic() + self._timeout
         while True:
-            limits = [self._report.wait_limit()]
-            if deadline is not None:
-                limits.append(max(0.0, deadline - time.monotonic()))
-            limit = min((x for x in limits if x is not None), default=None)
             try:
-                data = self._pipeline.get(limit)
+                data = self._pipeline.get(self._wait_limit(deadline))
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise RuntimeError(
@@ -566,6 +562,14 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
                 self._pass.delivered(self._pipeline.last_index)  # a raised batch counts too
             self._report.maybe_log()
             return data
+
+    def _wait_limit(self, deadline: float | None) -> float | None:
+        """How long the next wait may last: until the timeout, or the next periodic report."""
+        report = self._report.wait_limit()
+        if deadline is None:
+            return report
+        left = max(0.0, deadline - time.monotonic())
+        return left if report is None else min(report, left)
 
     def __next__(self) -> Any:
         try:
