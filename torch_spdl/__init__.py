@@ -1,8 +1,11 @@
 """torch_spdl: a drop-in ``torch.utils.data.DataLoader`` on per-stage thread pools."""
 
+import importlib
+from typing import Any
+
 from torch.utils.data import get_worker_info
 
-from . import io, pipeline, transforms
+from . import pipeline
 from .dataloader import DataLoader
 from .failures import FailureBudgetExceeded
 from .hooks import StagedDataset
@@ -19,3 +22,11 @@ __all__ = [
     "transforms",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``io`` and ``transforms`` are imported on first use: they need torchvision, whose import
+    costs 160 MB of PSS and a second, which a loader over other data should not pay."""
+    if name in ("io", "transforms"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

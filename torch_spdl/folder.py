@@ -11,6 +11,7 @@ backend, or a subclass with its own ``__getitem__`` is left alone.
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 from PIL import Image
@@ -38,7 +39,13 @@ class FolderHooks:
 
 
 def folder_hooks(dataset: Any) -> FolderHooks | None:
-    """Hooks for an unmodified torchvision folder dataset, or None for anything else."""
+    """Hooks for an unmodified torchvision folder dataset, or None for anything else.
+
+    Such a dataset exists only once torchvision is imported: a loader over anything else does
+    not import it.
+    """
+    if "torchvision.datasets" not in sys.modules:
+        return None
     import torchvision
     from torchvision.datasets import DatasetFolder
     from torchvision.datasets.folder import default_loader
