@@ -285,6 +285,25 @@ def test_strings_variants_read_the_whole_list_in_batches_of_512():
     assert held == []  # the memory is given back before anything else is measured
 
 
+def test_only_the_images_workload_imports_torchvision():
+    """B and C measure the memory of their processes: an unused torchvision (160 MB of PSS)
+    would count on both sides of their ratios."""
+    code = (
+        "import sys; import torch_spdl.bench.__main__ as bench, torch_spdl.bench.remote, "
+        "torch_spdl.bench.strings; bench.configure(bench.parse_args([])); "
+        "print('torchvision' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
 def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
     """Workload A end to end (B and C run above): the table, the targets, the per-stage view,
     the JSON and the PNG. One workload runs in the bench's own process; with several, each gets

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -26,10 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 
-from . import images, memory, profile, remote, report, strings
-from .data import ImageSpec, synthetic_imagefolder
+from . import memory, remote, report, series, strings
 from .measure import Result, Variant, run_rounds
 from .targets import evaluate
 
@@ -45,7 +44,7 @@ class Config:
     data: Path | None
     images: int
     out: Path
-    a: images.Options  # its root is filled in when the data is ready
+    a: series.ImageOptions  # its root is filled in when the data is ready
     b: remote.Options
     c: strings.Options
 
@@ -102,7 +101,7 @@ def configure(args: argparse.Namespace) -> Config:
         data=args.data,
         images=pick(args.images, 2048, 256),
         out=args.out,
-        a=images.Options(
+        a=series.ImageOptions(
             root=None, workers=(1, 2) if quick else (1, 2, 4), batches=pick(batches, 16, 2)
         ),
         b=remote.Options(
@@ -136,6 +135,8 @@ class Progress:
 def image_root(config: Config, say: Callable[[str], None]) -> Path:
     if config.data is not None:
         return config.data
+    from .data import ImageSpec, synthetic_imagefolder
+
     return synthetic_imagefolder(ImageSpec(images=config.images), progress=say)
 
 
@@ -146,6 +147,8 @@ def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]
     torch.manual_seed(0)
     analysis: dict[str, Any] = {}
     if workload == "A":
+        from . import images  # torchvision: only the process that runs A imports it
+
         root = image_root(config, say)
         with images.prepare(dataclasses.replace(config.a, root=root)) as variants:
             results = run_rounds(variants, config.rounds, say)
@@ -163,6 +166,8 @@ def analyse_images(
     root: Path, variants: Sequence[Variant], small: bool, say: Callable[[str], None]
 ) -> dict[str, Any]:
     """Workload A's per-stage view (see :mod:`.profile`), with each loader at 2 workers."""
+    from . import images, profile
+
     say("workload A: CPU per step, thread scaling, loader CPU by thread")
     found: dict[str, Any] = {
         "stage_costs_ms": profile.stage_costs(root, images=8 if small else 128),
@@ -208,7 +213,7 @@ def environment() -> dict[str, Any]:
         "load_average": os.getloadavg(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
+        "torchvision": importlib.metadata.version("torchvision"),
         "platform": platform.platform(),
     }
 

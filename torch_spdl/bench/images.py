@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,15 +38,13 @@ from torch_spdl.io import collate_images, decode_image
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
 
 from .measure import TORCH, Variant
+from .series import HOOKS, PLAIN, SWAPPED, ImageOptions
 
 SIZE = 224
 BATCH = 64
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults, which the fast path must draw from too
 RATIO = (3 / 4, 4 / 3)
 IO_WORKERS = 4  # reading a cached file takes tens of microseconds: a few threads keep up
-SWAPPED = "torch_spdl"
-HOOKS = "torch_spdl hooks+fast path"
-PLAIN = "plain loop, 1 thread"
 
 
 def classic_transform() -> transforms.Compose:
@@ -168,15 +164,8 @@ def plain_loop(dataset: Any, batches: int) -> Iterator[list[Any]]:
         yield [dataset[i] for i in order[b * BATCH : (b + 1) * BATCH]]
 
 
-@dataclass(frozen=True)
-class Options:
-    root: Path | None  # set once the data is there (it may have to be generated first)
-    workers: tuple[int, ...]
-    batches: int
-
-
 @contextlib.contextmanager
-def prepare(options: Options) -> Iterator[list[Variant]]:
+def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
     """The variants of workload A over the ImageFolder at ``options.root``."""
     folder = datasets.ImageFolder(str(options.root), transform=classic_transform())
     fast = FastImages(folder.samples)

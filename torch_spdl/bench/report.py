@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import images
 from .measure import TORCH, Result
+from .series import PLAIN
 from .targets import Lookup, Target
 
 COLUMNS = (
@@ -133,13 +133,13 @@ def plot(results: Sequence[Result], path: Path) -> None:
         top, bottom = axes[0][column], axes[1][column]
         ticks = sorted({r.workers for r in mine})
         for loader in dict.fromkeys(r.loader for r in mine):
-            if loader == images.PLAIN:
+            if loader == PLAIN:
                 continue
             series = sorted((r for r in mine if r.loader == loader), key=_workers)
             x = [ticks.index(r.workers) for r in series]
             top.plot(x, [r.rate for r in series], marker="o", label=loader)
             bottom.plot(x, [r.peak_pss / MIB for r in series], marker="o", label=loader)
-        for plain in (r for r in mine if r.loader == images.PLAIN):
+        for plain in (r for r in mine if r.loader == PLAIN):
             top.axhline(
                 plain.rate, color="grey", linestyle=":", label="torch's transform, 1 thread"
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import images, remote, strings
+from . import remote, series, strings
 from .measure import TORCH, Result
 
 
@@ -94,16 +94,16 @@ def first_batch(mine: Result, theirs: Result) -> Target:
 def images_targets(find: Lookup) -> list[Target]:
     """The import swapped at torch's best ``num_workers`` (nothing else changed), and the
     fastest hooks variant, against torch's fastest."""
-    plain = find.at("A", images.PLAIN, 1)
+    plain = find.at("A", series.PLAIN, 1)
     best = find.fastest("A", TORCH)
     if plain is None or best is None:
         return []
     found: list[Target] = []
-    swapped = find.at("A", images.SWAPPED, best.workers)
+    swapped = find.at("A", series.SWAPPED, best.workers)
     if swapped is not None:
         found.append(
             Target(
-                f"A: speed, {label(swapped)} / 2-core limit (2 × {images.PLAIN})",
+                f"A: speed, {label(swapped)} / 2-core limit (2 × {series.PLAIN})",
                 swapped.rate / (2 * plain.rate),
                 0.9,
                 True,
@@ -111,7 +111,7 @@ def images_targets(find: Lookup) -> list[Target]:
             )
         )
         found += [speed(swapped, best, 1.1), first_batch(swapped, best)]
-    hooks = find.fastest("A", images.HOOKS)
+    hooks = find.fastest("A", series.HOOKS)
     if hooks is not None:
         found += [speed(hooks, best, 2.0), first_batch(hooks, best)]
     return found
