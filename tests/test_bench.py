@@ -305,9 +305,8 @@ def test_only_the_images_workload_imports_torchvision():
 
 
 def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
-    """Workload A end to end (B and C run above): the table, the targets, the per-stage view,
-    the JSON and the PNG. One workload runs in the bench's own process; with several, each gets
-    a fresh one (``run_isolated``), which costs a torch import apiece, too slow for a test."""
+    """Workload A end to end: the table, the targets, the per-stage view, the JSON and the PNG.
+    One workload runs in the bench's own process."""
     out = tmp_path / "out"
     env = checkout_env()
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
@@ -329,3 +328,24 @@ def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
     loaders = {r["loader"] for r in raw["results"]}
     assert loaders == {images.PLAIN, images.TORCH, images.SWAPPED, images.HOOKS}
     assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])
+
+
+def test_several_workloads_run_in_fresh_processes_under_a_parent_without_torch(tmp_path):
+    """With several workloads each runs in its own process, under a parent that has not mapped
+    torch: one that had would take its share of torch's pages off every PSS measured."""
+    out = tmp_path / "out"
+    env = checkout_env()
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "C,B"]
+    command += ["--batches", "2", "--strings", "5000", "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "\n| B | torch_spdl async load | 16 |" in result.stdout, result.stdout
+    assert "\n| C | torch_spdl | 2 |" in result.stdout, result.stdout
+    assert result.stderr.index("workload C") < result.stderr.index("workload B")
+    raw = json.loads((out / "bench.json").read_text())
+    assert raw["environment"]["torch_outside"] is False
+    assert raw["command"].endswith("--out " + str(out))  # the user's arguments only
+    assert {r["workload"] for r in raw["results"]} == {"B", "C"}
+    assert list((tmp_path / "tmp").iterdir()) == []  # the parent's work folder is gone

@@ -16,7 +16,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -68,9 +67,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run of under a minute")
     parser.add_argument("--images", type=int, help="synthetic images for A (default 2048)")
     parser.add_argument("--strings", type=int, help="strings in C's dataset (default 2,000,000)")
-    # set by run_isolated for the process that runs one workload
+    # set by orchestrate.py for the process that runs one workload, and for the report's
     parser.add_argument("--only", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--results-to", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--report-from", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--clock-start", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     wanted = tuple(w.strip().upper() for w in args.workloads.split(",") if w.strip())
@@ -159,7 +159,12 @@ def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]
     else:
         with strings.prepare(config.c) as variants:
             results = run_rounds(variants, config.rounds, say)
-    return {"results": [r.to_json() for r in results], "analysis": analysis}
+    return {
+        "results": [r.to_json() for r in results],
+        "analysis": analysis,
+        # a parent holding torch would take its share of torch's pages off the measured PSS
+        "torch_outside": memory.maps(os.getppid(), "libtorch"),
+    }
 
 
 def analyse_images(
@@ -186,24 +191,37 @@ def analyse_images(
     return found
 
 
-def run_isolated(
-    workload: str, argv: Sequence[str], say: Progress
-) -> tuple[list[Result], dict[str, Any]]:
-    """Run one workload in a fresh Python process, which writes its results to a file.
+def orchestrate(
+    argv: Sequence[str], before: dict[str, Any], config: Config, say: Progress
+) -> NoReturn:
+    """Become ``orchestrate.py``, which runs each workload in a fresh process, then the report.
 
     A fresh process per workload keeps the memory each one measures its own: what an earlier
     workload left in the heap (freed memory that malloc keeps, thread arenas) would otherwise
-    count against every loader measured after it. Progress goes straight to our stderr.
+    count against every loader measured after it. This process has torch mapped, so it gives
+    way (``execv``) to a parent that has not: see :mod:`.orchestrate`.
     """
-    with tempfile.TemporaryDirectory(prefix="torch_spdl-bench-") as tmp:
-        path = Path(tmp) / "results.json"
-        command = [sys.executable, "-m", "torch_spdl.bench", *argv, "--only", workload]
-        command += ["--results-to", str(path), "--clock-start", repr(say.start)]
-        status = subprocess.run(command, stdin=subprocess.DEVNULL).returncode
-        if status != 0:
-            raise SystemExit(f"workload {workload} failed (exit status {status})")
-        data = json.loads(path.read_text())
-    return [Result.from_json(r) for r in data["results"]], data["analysis"]
+    work = Path(tempfile.mkdtemp(prefix="torch_spdl-bench-"))
+    plan = {"workloads": list(config.workloads), "argv": list(argv), "environment": before}
+    report.write_json(work / "plan.json", plan)
+    script = Path(__file__).with_name("orchestrate.py")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-I", str(script), str(work), repr(say.start), *argv])
+
+
+def collected(work: Path) -> tuple[list[str], dict[str, Any], list[Result], dict[str, Any]]:
+    """What the workload processes of a run wrote: its argv, environment, results, analysis."""
+    plan = json.loads((work / "plan.json").read_text())
+    results: list[Result] = []
+    analysis: dict[str, Any] = {}
+    environment = plan["environment"]
+    for workload in plan["workloads"]:
+        data = json.loads((work / f"{workload}.json").read_text())
+        results += [Result.from_json(r) for r in data["results"]]
+        analysis.update(data["analysis"])
+        environment["torch_outside"] = environment.get("torch_outside") or data["torch_outside"]
+    return plan["argv"], environment, results, analysis
 
 
 def environment() -> dict[str, Any]:
@@ -229,26 +247,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = configure(args)
     say = Progress(args.clock_start)
-    if args.only is not None:  # a workload process started by run_isolated
+    if args.only is not None:  # a workload's process, started by orchestrate.py
+        say(f"workload {report.WORKLOAD_TITLES[args.only]}")
         report.write_json(args.results_to, run_workload(config, args.only, say))
         return 0
+    if args.report_from is not None:  # the last process of a run of several workloads
+        return finish(config, say, *collected(args.report_from))
     before = environment()
     say(
         f"{before['cpus']} CPUs, load average {before['load_average'][0]:.2f}; workloads "
         f"{','.join(config.workloads)}, {config.rounds} round(s)"
     )
-    results: list[Result] = []
-    analysis: dict[str, Any] = {}
-    for workload in config.workloads:
-        say(f"workload {report.WORKLOAD_TITLES[workload]}")
-        if len(config.workloads) == 1:  # this process has measured nothing yet: fresh enough
-            data = run_workload(config, workload, say)
-            found = [Result.from_json(r) for r in data["results"]]
-            workload_analysis = data["analysis"]
-        else:
-            found, workload_analysis = run_isolated(workload, argv, say)
-        results += found
-        analysis.update(workload_analysis)
+    if len(config.workloads) > 1:
+        orchestrate(argv, before, config, say)
+    (workload,) = config.workloads  # this process has measured nothing yet: fresh enough
+    say(f"workload {report.WORKLOAD_TITLES[workload]}")
+    data = run_workload(config, workload, say)
+    found = [Result.from_json(r) for r in data["results"]]
+    before["torch_outside"] = data["torch_outside"]
+    return finish(config, say, argv, before, found, data["analysis"])
+
+
+def finish(
+    config: Config,
+    say: Progress,
+    argv: Sequence[str],
+    before: dict[str, Any],
+    results: list[Result],
+    analysis: dict[str, Any],
+) -> int:
+    """Print the table, the targets and the analysis; write the plot and the JSON."""
     targets = evaluate(results)
     after = os.getloadavg()
     print(report.table(results, config.rounds))

@@ -92,6 +92,14 @@ def pss(pid: int) -> int:
     return 0
 
 
+def maps(pid: int, fragment: str) -> bool:
+    """Whether process ``pid`` maps a file whose path holds ``fragment`` (False if it is gone)."""
+    try:
+        return fragment in (PROC / str(pid) / "maps").read_text()
+    except OSError:
+        return False
+
+
 def tree_pss(root: int | None = None, exclude: Iterable[int] = ()) -> int:
     """PSS of ``root`` (default: this process) and all its descendants, in bytes."""
     return sum(pss(pid) for pid in tree(os.getpid() if root is None else root, exclude))
