@@ -48,12 +48,13 @@ import torch.multiprocessing
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data._utils.worker import ManagerWatchdog, WorkerInfo, _generate_state
+from torch.utils.data._utils.worker import ManagerWatchdog, _generate_state
 from torch.utils.data.dataloader import _DatasetKind
 
 from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
 from .pipeline import Failure, Pipeline
-from .workers import set_process_worker_info, thread_rng
+from .pipeline.stages import where
+from .workers import set_process_worker_info, worker_info
 
 WORKER_METHODS = ("thread", "process", "multiprocessing")
 PROCESS_WORKER_METHOD = "multiprocessing"
@@ -124,15 +125,12 @@ def uses_processes(worker_method: Any) -> bool:
     return worker_method != "thread"
 
 
-def _where(stage: str, worker: int, description: str | None = None) -> str:
-    """``Stage.where``'s wording, for a worker process instead of a worker thread."""
-    text = f"in stage {stage!r}"
-    if description is not None:
-        text += f" for {description}"
-    return f"{text} (worker process {worker})"
-
-
 # -- what a worker process runs ----------------------------------------------------------------
+def failed(stage: str, worker: int, description: str | None = None) -> Reply:
+    """The reply for the exception being handled, named as a worker thread's would be."""
+    return ERROR, ExceptionWrapper(where=where(stage, description, worker, "process"))
+
+
 @dataclass
 class FetchJob:
     """No hooks: a batch's indices in, the collated batch out (torch's worker's job)."""
@@ -159,7 +157,7 @@ class FetchJob:
         try:
             return OK, self._fetch(task)
         except Exception:
-            return ERROR, ExceptionWrapper(where=_where(self.stage, worker, task.describe()))
+            return failed(self.stage, worker, task.describe())
 
 
 @dataclass
@@ -179,8 +177,7 @@ class PreprocessJob:
         try:
             return OK, self.preprocess(raw)
         except Exception:
-            where = _where(self.stage, worker, SampleTask(index, 0, 1).describe())
-            return ERROR, ExceptionWrapper(where=where)
+            return failed(self.stage, worker, SampleTask(index, 0, 1).describe())
 
 
 @dataclass
@@ -204,7 +201,7 @@ class IterableJob:
                 self.dataset, self.auto_collation, self.collate_fn, self.drop_last, self.batch_size
             )
         except Exception:
-            return ERROR, ExceptionWrapper(where=_where(self.stage, worker))
+            return failed(self.stage, worker)
         return READY, None
 
     def run(self, request: None, worker: int) -> Reply:
@@ -213,7 +210,7 @@ class IterableJob:
         except StopIteration:
             return END, None
         except Exception:
-            return ERROR, ExceptionWrapper(where=_where(self.stage, worker))
+            return failed(self.stage, worker)
 
 
 Job = FetchJob | PreprocessJob | IterableJob
@@ -255,14 +252,7 @@ def _start_worker(
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(_generate_state(base_seed, worker))
-    info = WorkerInfo(
-        id=worker,
-        num_workers=num_workers,
-        seed=seed,
-        dataset=job.info_dataset,
-        rng=thread_rng(seed),
-        worker_method=PROCESS_WORKER_METHOD,
-    )
+    info = worker_info(job.info_dataset, worker, num_workers, base_seed, PROCESS_WORKER_METHOD)
     set_process_worker_info(info)
     try:
         if worker_init_fn is not None:
@@ -457,11 +447,14 @@ class ProcessPool:
         if status == ERROR:
             payload.reraise()
 
+    def _check_open(self) -> None:
+        if self._processes.closing:
+            raise RuntimeError("the DataLoader's worker processes have been shut down")
+
     def _exchange(self, request: tuple[str, Any]) -> Reply:
         worker: _Worker = self._local.worker
         with worker.lock:
-            if self._processes.closing:
-                raise RuntimeError("the DataLoader's worker processes have been shut down")
+            self._check_open()
             try:
                 worker.conn.send_bytes(dumps(request))
             except (BrokenPipeError, ConnectionResetError):
@@ -470,8 +463,7 @@ class ProcessPool:
 
     def _receive(self, worker: _Worker) -> Reply:
         """The worker's reply; RuntimeError if it dies first or the pool is closed meanwhile."""
-        if self._processes.closing:  # a thread starting late, after the pipeline stopped
-            raise RuntimeError("the DataLoader's worker processes have been shut down")
+        self._check_open()  # a thread starting late, after the pipeline stopped
         wake = self._processes.wake
         ready = connection.wait([worker.conn, worker.process.sentinel, wake])
         if worker.conn in ready:
@@ -483,8 +475,8 @@ class ProcessPool:
                 if not worker.process.is_alive():
                     raise worker.died() from error
                 raise
-        if wake in ready and self._processes.closing:
-            raise RuntimeError("the DataLoader's worker processes have been shut down")
+        if wake in ready:
+            self._check_open()
         raise worker.died()
 
     def _pin(self, data: Any) -> Any:

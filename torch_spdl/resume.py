@@ -245,7 +245,7 @@ class PassRecord:
         self,
         base_seed: int,
         generator: bytes | None,
-        epoch: dict[str, Any] | None,
+        epoch: int | None,
         continuation: Continuation | None,
         tracked: bool,
     ) -> None:
@@ -359,7 +359,7 @@ class PassRecord:
             "base_seed": self.base_seed,
             "generator": self.generator,
             "sampler_rng": None if self.sampler_rng is None else list(self.sampler_rng),
-            "epoch": None if self.epoch is None else {"epoch": self.epoch["epoch"]},
+            "epoch": None if self.epoch is None else {"epoch": self.epoch},
             "yielded": self.done.state(),
             "sampler_state": sampler_state,
         }
@@ -380,10 +380,11 @@ def start_pass(
     if continuation is not None:
         iterator._base_seed = continuation.base_seed
         set_generator_state(loader.generator, continuation.generator)
+    epoch = epoch_state(loader.sampler)
     record = PassRecord(
         iterator._base_seed,
         generator_state(loader.generator),
-        epoch_state(loader.sampler),
+        None if epoch is None else epoch["epoch"],  # the pass's own; the loader's moves on
         continuation,
         tracked=iterator._dataset_kind == _DatasetKind.Map,
     )

@@ -93,6 +93,22 @@ def _omp_set_num_threads() -> Callable[[int], Any] | None:
         return None
 
 
+def worker_info(
+    dataset: Any, worker_id: int, num_workers: int, base_seed: int, worker_method: str
+) -> WorkerInfo:
+    """torch's WorkerInfo for one worker, seeded as torch seeds it (``base_seed + worker_id``),
+    with its own generators (torch ≥ 2.13's ``WorkerInfo.rng``)."""
+    seed = base_seed + worker_id
+    return WorkerInfo(
+        id=worker_id,
+        num_workers=num_workers,
+        seed=seed,
+        dataset=dataset,
+        rng=thread_rng(seed),
+        worker_method=worker_method,
+    )
+
+
 def worker_starter(
     dataset: Any,
     num_workers: int,
@@ -108,15 +124,7 @@ def worker_starter(
 
     def start(worker_id: int) -> None:
         single_threaded_kernels()
-        seed = base_seed + worker_id
-        _thread_state.info = WorkerInfo(
-            id=worker_id,
-            num_workers=num_workers,
-            seed=seed,
-            dataset=dataset,
-            rng=thread_rng(seed),
-            worker_method="thread",
-        )
+        _thread_state.info = worker_info(dataset, worker_id, num_workers, base_seed, "thread")
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
 

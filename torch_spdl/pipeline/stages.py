@@ -40,6 +40,19 @@ def is_async_callable(fn: Any) -> bool:
     return inspect.iscoroutinefunction(type(fn).__call__)
 
 
+def where(
+    stage: str, description: str | None = None, worker: int | None = None, kind: str = "thread"
+) -> str:
+    """Where an error happened, as messages name it: ``in stage 'fetch' for dataset index 7
+    (worker thread 1)``; ``kind`` is ``"process"`` for a stage run by worker processes."""
+    text = f"in stage {stage!r}"
+    if description is not None:
+        text += f" for {description}"
+    if worker is not None:
+        text += f" (worker {kind} {worker})"
+    return text
+
+
 @dataclass(frozen=True)
 class Stage:
     """Apply ``fn`` to every value.
@@ -66,12 +79,7 @@ class Stage:
         return is_async_callable(self.fn)
 
     def where(self, value: Any, worker: int | None = None) -> str:
-        text = f"in stage {self.name!r}"
-        if self.describe is not None:
-            text += f" for {self.describe(value)}"
-        if worker is not None:
-            text += f" (worker thread {worker})"
-        return text
+        return where(self.name, None if self.describe is None else self.describe(value), worker)
 
 
 @dataclass(frozen=True)
