@@ -27,10 +27,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_example(script: str, *args: str, timeout: float = 120) -> str:
-    """Run ``examples/<script>`` with ``sys.executable``; return its stdout, failing on rc != 0."""
+def run_python(*args: str, timeout: float = 120) -> str:
+    """``python ARGS`` on the checkout, in a fresh interpreter: its stdout; fails on rc != 0."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / script), *args],
+        [sys.executable, *args],
         cwd=REPO,
         env=checkout_env(),
         capture_output=True,
@@ -38,5 +38,10 @@ def run_example(script: str, *args: str, timeout: float = 120) -> str:
         timeout=timeout,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{output}"
+    assert result.returncode == 0, f"python {args[0]} exited with {result.returncode}:\n{output}"
     return result.stdout
+
+
+def run_example(script: str, *args: str, timeout: float = 120) -> str:
+    """Run ``examples/<script>`` with ``sys.executable``; return its stdout, failing on rc != 0."""
+    return run_python(str(REPO / "examples" / script), *args, timeout=timeout)

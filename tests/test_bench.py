@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from PIL import Image
-from subprocesses import REPO, checkout_env
+from subprocesses import REPO, checkout_env, run_python
 
 import torch_spdl
 from torch_spdl.bench import data, images, memory, profile, remote, report, strings, targets
@@ -293,15 +293,7 @@ def test_only_the_images_workload_imports_torchvision():
         "torch_spdl.bench.strings; bench.configure(bench.parse_args([])); "
         "print('torchvision' in sys.modules)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.stdout.strip() == "False", result.stderr
+    assert run_python("-c", code).strip() == "False"
 
 
 def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):

@@ -5,23 +5,11 @@ Each case runs in a fresh interpreter, since this one has imported torchvision l
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from subprocesses import REPO, checkout_env
+from subprocesses import run_python
 
 
 def run_fresh(code: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
+    return run_python("-c", code).strip()
 
 
 def test_a_loader_over_plain_data_never_imports_torchvision():
