@@ -593,7 +593,8 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         """torch's ``__next__`` without its ``record_function`` region, for when no profiler
         records it. The region's two torch ops release the GIL, and a worker thread running
         Python takes it: the consumer then waits for the worker's next block or for the switch
-        interval, twice per batch (on 2 cores it cost a quarter of workload C's throughput)."""
+        interval, twice per batch (with one worker thread on 2 cores: a sixth of workload C's
+        speed)."""
         if self._sampler_iter is None:
             self._reset()  # type: ignore[call-arg]
         data = self._next_data()
