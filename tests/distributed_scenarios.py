@@ -10,38 +10,16 @@ import os
 
 import torch
 import torch.distributed as dist
+from index_datasets import Indices, StagedIndices
 from torch.utils.data import (
     BatchSampler,
-    Dataset,
     DistributedSampler,
     IterableDataset,
     SubsetRandomSampler,
     get_worker_info,
 )
 
-from torch_spdl import DataLoader, StagedDataset
-
-
-class Indices(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-class StagedIndices(StagedDataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def load(self, index: int) -> int:
-        return index
+from torch_spdl import DataLoader
 
 
 class Stream(IterableDataset):

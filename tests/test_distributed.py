@@ -8,7 +8,7 @@ import distributed_scenarios
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_scenarios import Indices
+from index_datasets import Indices
 from torch.utils.data import DistributedSampler
 
 WORLD = 2

@@ -14,12 +14,15 @@ import io
 import itertools
 import pickle
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import index_datasets
 import pytest
 import torch
 import torch.utils.data as tud
+from index_datasets import Indices
 
 from torch_spdl import DataLoader, StagedDataset
 from torch_spdl.resume import Progress
@@ -31,28 +34,8 @@ WAIT = 10.0
 pytestmark = pytest.mark.usefixtures("no_leak")
 
 
-class Indices(tud.Dataset):
-    def __init__(self, n: int = N) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-class StagedIndices(StagedDataset):
+class StagedIndices(index_datasets.StagedIndices):
     """load/preprocess hooks: each sample goes through two stages and is reassembled."""
-
-    def __init__(self, n: int = N) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def load(self, index: int) -> int:
-        return index
 
     def preprocess(self, raw: int) -> int:
         return raw + 1000
@@ -70,7 +53,7 @@ class Config:
     seeded: bool = False  # generator= given (else the global RNG seeds the shuffle)
 
     def dataset(self) -> tud.Dataset:
-        return StagedIndices() if self.hooks else Indices()
+        return StagedIndices(N) if self.hooks else Indices(N)
 
     def common(self) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(7) if self.seeded else None
@@ -133,14 +116,20 @@ def resume(config: Config, state: dict, rng: torch.Tensor) -> DataLoader:
     return fresh
 
 
+def take(loader: DataLoader, count: int) -> tuple[Iterator[Any], list, dict, torch.Tensor]:
+    """``count`` batches of a new pass, then what a training loop saves: the loader's state and
+    the global RNG's (the pass's iterator is returned so that the caller decides its end)."""
+    it = iter(loader)
+    taken = [plain(next(it)) for _ in range(count)]
+    return it, taken, loader.state_dict(), torch.get_rng_state()
+
+
 def interrupted(config: Config, epoch: int, cut: int) -> tuple[list, list, list, list]:
     """Earlier epochs, ``cut`` batches of ``epoch``, then (resumed) the rest and the next one."""
     torch.manual_seed(SEED)
     loader = config.ours()
     before = [run(loader) for _ in range(epoch)]
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(cut)]
-    state, rng = loader.state_dict(), torch.get_rng_state()
+    it, taken, state, rng = take(loader, cut)
     del it, loader  # the interrupted process is gone (its threads with it)
     fresh = resume(config, state, rng)
     return before, taken, run(fresh), run(fresh)
@@ -194,14 +183,11 @@ def test_a_resumed_pass_can_be_interrupted_and_resumed_again(config):
     want = reference(config, 2)
     torch.manual_seed(SEED)
     loader = config.ours()
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(2)]
-    state, rng = loader.state_dict(), torch.get_rng_state()
+    it, taken, state, rng = take(loader, 2)
     del it, loader
     second = resume(config, state, rng)
-    it = iter(second)
-    taken += [plain(next(it)) for _ in range(2)]
-    state, rng = second.state_dict(), torch.get_rng_state()
+    it, more, state, rng = take(second, 2)
+    taken += more
     del it, second
     third = resume(config, state, rng)
     assert_epoch(taken + run(third), want[0], config.in_order)
@@ -252,9 +238,7 @@ def test_loading_into_a_loader_with_live_persistent_workers_restarts_them():
     want = reference(config, 2)
     torch.manual_seed(SEED)
     loader = config.ours()
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(2)]
-    state, rng = loader.state_dict(), torch.get_rng_state()
+    it, taken, state, rng = take(loader, 2)
     [next(it) for _ in range(2)]  # the run goes on, then the checkpoint is restored in place
     loader.load_state_dict(state)
     torch.set_rng_state(rng)
@@ -274,7 +258,7 @@ class BaseSeeds(Indices):
 def test_a_resumed_pass_keeps_its_worker_seeds_and_the_next_draws_anew(seeded):
     def make() -> DataLoader:
         generator = torch.Generator().manual_seed(5) if seeded else None
-        return DataLoader(BaseSeeds(), batch_size=None, num_workers=2, generator=generator)
+        return DataLoader(BaseSeeds(N), batch_size=None, num_workers=2, generator=generator)
 
     def seeds(items: list) -> set[int]:
         return {seed for _, seed in items}
@@ -285,9 +269,7 @@ def test_a_resumed_pass_keeps_its_worker_seeds_and_the_next_draws_anew(seeded):
     assert len(seeds(want[0])) == 1 and seeds(want[0]) != seeds(want[1])
     torch.manual_seed(SEED)
     loader = make()
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(5)]
-    state, rng = loader.state_dict(), torch.get_rng_state()
+    it, taken, state, rng = take(loader, 5)
     del it, loader
     torch.manual_seed(SEED + 1)
     fresh = make()
@@ -328,9 +310,7 @@ def test_completion_order_skips_exactly_the_batches_received(dataset_type):
 
     everything = [[i, i + 1] for i in range(0, 12, 2)]
     loader = make(dataset := dataset_type())
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(3)]
-    state = loader.state_dict()
+    it, taken, state, _ = take(loader, 3)
     dataset.gate.set()
     del it, loader
     assert [0, 1] not in taken  # held back by its gate: what was received is not a prefix
@@ -364,30 +344,28 @@ def torch_samplers(dataset: tud.Dataset, seeded: bool) -> dict[str, tud.Sampler]
 @pytest.mark.parametrize("seeded", [False, True], ids=["global_rng", "generator"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_torch_samplers_resume_exactly(num_workers, seeded):
-    names = torch_samplers(Indices(), seeded).keys()
+    names = torch_samplers(Indices(N), seeded).keys()
     for name in names:
         torch.manual_seed(SEED)
         reference_loader = tud.DataLoader(
-            Indices(), batch_size=3, sampler=torch_samplers(Indices(), seeded)[name]
+            Indices(N), batch_size=3, sampler=torch_samplers(Indices(N), seeded)[name]
         )
         want = [run(reference_loader) for _ in range(2)]
         cut = len(want[0]) // 2
         torch.manual_seed(SEED)
         loader = DataLoader(
-            Indices(),
+            Indices(N),
             batch_size=3,
-            sampler=torch_samplers(Indices(), seeded)[name],
+            sampler=torch_samplers(Indices(N), seeded)[name],
             num_workers=num_workers,
         )
-        it = iter(loader)
-        taken = [plain(next(it)) for _ in range(cut)]
-        state, rng = loader.state_dict(), torch.get_rng_state()
+        it, taken, state, rng = take(loader, cut)
         del it, loader
         torch.manual_seed(SEED + 1)
         fresh = DataLoader(
-            Indices(),
+            Indices(N),
             batch_size=3,
-            sampler=torch_samplers(Indices(), seeded)[name],
+            sampler=torch_samplers(Indices(N), seeded)[name],
             num_workers=num_workers,
         )
         fresh.load_state_dict(through_pickle(state))
@@ -465,18 +443,16 @@ def drawn(loader: Any) -> int:
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["sampler", "batch_sampler"])
 def test_stateful_sampler_state_is_restored_not_replayed(kind, num_workers, in_order):
-    reference_loader = tud.DataLoader(Indices(), **stateful_kwargs(kind))
+    reference_loader = tud.DataLoader(Indices(N), **stateful_kwargs(kind))
     want = [run(reference_loader) for _ in range(2)]
     for cut in (0, 1, 3, len(want[0])):
         loader = DataLoader(
-            Indices(), num_workers=num_workers, in_order=in_order, **stateful_kwargs(kind)
+            Indices(N), num_workers=num_workers, in_order=in_order, **stateful_kwargs(kind)
         )
-        it = iter(loader)
-        taken = [plain(next(it)) for _ in range(cut)]
-        state = loader.state_dict()
+        it, taken, state, _ = take(loader, cut)
         del it, loader
         fresh = DataLoader(
-            Indices(), num_workers=num_workers, in_order=in_order, **stateful_kwargs(kind)
+            Indices(N), num_workers=num_workers, in_order=in_order, **stateful_kwargs(kind)
         )
         fresh.load_state_dict(through_pickle(state))
         rest = run(fresh)
@@ -489,12 +465,10 @@ def test_stateful_sampler_state_is_restored_not_replayed(kind, num_workers, in_o
 
 def test_stateless_custom_batch_sampler_is_fast_forwarded():
     batches = [[3, 1], [0], [5, 4, 2], [9], [8, 7, 6]]
-    loader = DataLoader(Indices(), batch_sampler=batches, num_workers=2)
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(2)]
-    state = loader.state_dict()
+    loader = DataLoader(Indices(N), batch_sampler=batches, num_workers=2)
+    it, taken, state, _ = take(loader, 2)
     del it, loader
-    fresh = DataLoader(Indices(), batch_sampler=batches, num_workers=2)
+    fresh = DataLoader(Indices(N), batch_sampler=batches, num_workers=2)
     fresh.load_state_dict(state)
     assert taken + run(fresh) == batches
     assert run(fresh) == batches
@@ -505,9 +479,7 @@ def test_state_is_plain_values_that_torch_save_loads_with_weights_only():
     config = Config(seeded=True, num_workers=2, in_order=False)
     want = reference(config, 2)
     loader = config.ours()
-    it = iter(loader)
-    taken = [plain(next(it)) for _ in range(3)]
-    state = loader.state_dict()
+    it, taken, state, _ = take(loader, 3)
     del it, loader
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -527,7 +499,7 @@ def test_a_batch_that_raised_counts_as_received():
             return index
 
     for num_workers in (0, 2):
-        loader = DataLoader(Failing(), batch_size=4, num_workers=num_workers)
+        loader = DataLoader(Failing(N), batch_size=4, num_workers=num_workers)
         it = iter(loader)
         first = plain(next(it))
         with pytest.raises(KeyError):
@@ -535,7 +507,7 @@ def test_a_batch_that_raised_counts_as_received():
         state = loader.state_dict()
         rest = run(it)  # torch goes on after an error: the batch that raised is not retried
         del it, loader
-        fresh = DataLoader(Failing(), batch_size=4, num_workers=num_workers)
+        fresh = DataLoader(Failing(N), batch_size=4, num_workers=num_workers)
         fresh.load_state_dict(state)
         assert first == [0, 1, 2, 3] and run(fresh) == rest
 
@@ -573,21 +545,21 @@ def test_state_of_a_differently_configured_loader_is_refused(changed, named):
 )
 def test_what_is_not_a_state_is_refused(state):
     with pytest.raises(ValueError):
-        DataLoader(Indices()).load_state_dict(state)
+        DataLoader(Indices(N)).load_state_dict(state)
 
 
 def test_a_state_with_batches_beyond_the_epoch_is_refused():
     state = mid_pass_state(batch_size=4)
     state["pass"]["yielded"] = {"prefix": 2, "later": [40]}
     with pytest.raises(ValueError, match="beyond"):
-        DataLoader(Indices(), batch_size=4).load_state_dict(state)
+        DataLoader(Indices(N), batch_size=4).load_state_dict(state)
 
 
 def test_stateful_and_stateless_samplers_do_not_mix():
     state = mid_pass_state(sampler=list(range(N)), batch_size=4)  # no sampler state
     state["config"]["sampler"] = "ResumableSampler"
     with pytest.raises(ValueError, match="state_dict"):
-        DataLoader(Indices(), sampler=ResumableSampler(), batch_size=4).load_state_dict(state)
+        DataLoader(Indices(N), sampler=ResumableSampler(), batch_size=4).load_state_dict(state)
 
 
 class Stream(tud.IterableDataset):
