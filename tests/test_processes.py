@@ -18,6 +18,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from iteration import drain
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from torch_spdl import DataLoader, StagedDataset, processes
@@ -418,18 +419,8 @@ def test_a_task_the_worker_cannot_unpickle_fails_that_sample():
 
 
 def test_iteration_goes_on_after_an_error_like_torch():
-    def drain(loader):
-        out, it = [], iter(loader)
-        while True:
-            try:
-                out.append(next(it).tolist())
-            except StopIteration:
-                return out
-            except ValueError:
-                out.append("error")
-
-    expected = drain(torchs(Fails(ValueError), batch_size=3, num_workers=2))
-    assert drain(ours(Fails(ValueError), batch_size=3, num_workers=2)) == expected
+    expected = drain(iter(torchs(Fails(ValueError), batch_size=3, num_workers=2)))
+    assert drain(iter(ours(Fails(ValueError), batch_size=3, num_workers=2))) == expected
 
 
 def fail_in_worker_one(worker_id: int) -> None:

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from iteration import drain
 from torch.utils.data import Dataset, IterableDataset
 
 from torch_spdl import DataLoader, StagedDataset
@@ -226,18 +227,6 @@ def test_stage_error_same_type_names_stage_and_index(stage, expected, error, in_
     assert "worker thread" in message and "Traceback" in message
     if in_order:
         assert seen == [0, 1, 2, 3, 4, 5]  # torch's order: the failing batch raises in its place
-
-
-def drain(iterator):
-    """Every batch as a list, and ``"error"`` for each ValueError, until the iterator ends."""
-    out = []
-    while True:
-        try:
-            out.append(next(iterator).tolist())
-        except StopIteration:
-            return out
-        except ValueError:
-            out.append("error")
 
 
 def test_iteration_goes_on_after_an_error_like_torch():
