@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from versions import THREAD, method
 
 from torch_spdl import DataLoader, StagedDataset
 from torch_spdl.cache import ByteLRU, nbytes
@@ -148,11 +149,11 @@ def test_preload_threads_know_their_worker_and_fakedata_stays_thread_safe():
     class Info(Counted):
         def load(self, index):
             info = torch.utils.data.get_worker_info()
-            infos.append((info.worker_method, info.num_workers))
+            infos.append((method(info), info.num_workers))
             return super().load(index)
 
     list(DataLoader(Info(), preload=True, io_workers=3))
-    assert set(infos) == {("thread", 3)}
+    assert set(infos) == {(THREAD, 3)}
 
 
 def test_cache_options_set_after_construction_take_effect():

@@ -16,6 +16,7 @@ import torch
 import torch.utils.data as tud
 
 import torch_spdl
+from torch_spdl.compat import TORCH_VERSION
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -165,7 +166,7 @@ def test_iterator_error_same_as_torch(case, dataset):
             iter(loader)
         errors.append(str(info.value))
     assert errors[0] == errors[1]
-    assert errors[0]
+    assert bool(errors[0]) == (TORCH_VERSION >= (2, 10))  # a bare assert's, before torch 2.10
 
 
 # -- the attribute guard -------------------------------------------------------------------------
@@ -459,13 +460,19 @@ def test_pin_memory_without_accelerator_warns_like_torch(num_workers, device):
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            batches = [b.tolist() for b in loader]
-        return batches, [(w.category, str(w.message)) for w in caught]
+            try:
+                batches = [b.tolist() for b in loader]
+            except RuntimeError as error:  # torch 2.8 pins on the device it is given: "cpu"
+                batches = type(error)
+        # the loader's own warnings (the tensor's deprecation warnings come once per process)
+        return batches, [(w.category, str(w.message)) for w in caught if w.category is UserWarning]
 
     want, got = run(tud.DataLoader), run(torch_spdl.DataLoader)
+    assert got == want
+    if TORCH_VERSION < (2, 9) and device:
+        assert want == (RuntimeError, [])  # no warning, and a pinning that fails, as torch's
+        return
     assert want[0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert got[0] == want[0]
-    assert got[1] == want[1]
     message = (
         "'pin_memory' argument is set as true but no accelerator is found, "
         "then device pinned memory won't be used."

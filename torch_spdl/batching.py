@@ -12,9 +12,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data.dataloader import _DatasetKind
-
 from .failures import SKIPPED, FailureBudget, Step, gather
 from .pipeline import Failure
 from .workers import single_threaded_kernels
@@ -22,11 +19,11 @@ from .workers import single_threaded_kernels
 Collate = Callable[[Any], Any]
 
 
-def finisher(collate_fn: Collate, pin_device: str | None) -> Collate:
-    """``collate_fn``, then pinning when pin_memory is on and an accelerator exists."""
-    if pin_device is None:
+def finisher(collate_fn: Collate, pin: Collate | None) -> Collate:
+    """``collate_fn``, then ``pin`` where batches are pinned (see ``DataLoader``'s ``_pinner``)."""
+    if pin is None:
         return collate_fn
-    return lambda data: pin_memory(collate_fn(data), pin_device)
+    return lambda data: pin(collate_fn(data))
 
 
 # -- batch-level tasks (no hooks) ----------------------------------------------------------------
@@ -259,10 +256,12 @@ def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
 
 # -- iterable datasets --------------------------------------------------------------------------
 class IterableBatches:
-    """torch's worker loop for an IterableDataset: its own iterator, batched by torch's fetcher.
+    """torch's worker loop for an IterableDataset (its ``_IterableDatasetFetcher``): its own
+    iterator, batched; a short last batch is kept unless ``drop_last``.
 
     An iterator object rather than a generator, so an error from one ``next()`` does not end it:
-    a dataset whose iterator goes on after raising goes on here too, as in torch's workers.
+    a dataset whose iterator goes on after raising goes on here too, as in torch's workers (and,
+    as there, the items of that batch read before the error are lost with it).
     """
 
     def __init__(
@@ -273,16 +272,30 @@ class IterableBatches:
         drop_last: bool,
         batch_size: int | None,
     ) -> None:
-        self._fetcher = _DatasetKind.create_fetcher(
-            _DatasetKind.Iterable, dataset, auto_collation, finish, drop_last
-        )
-        self._index = [None] * batch_size if auto_collation else None
+        self._iterator = iter(dataset)
+        self._finish = finish
+        self._drop_last = drop_last
+        self._batch_size = batch_size if auto_collation else None
+        self._ended = False
 
     def __iter__(self) -> IterableBatches:
         return self
 
     def __next__(self) -> Any:
-        return self._fetcher.fetch(self._index)
+        if self._ended:
+            raise StopIteration
+        if self._batch_size is None:
+            return self._finish(next(self._iterator))
+        data: list[Any] = []
+        for _ in range(self._batch_size):
+            try:
+                data.append(next(self._iterator))
+            except StopIteration:
+                self._ended = True
+                break
+        if not data or (self._drop_last and len(data) < self._batch_size):
+            raise StopIteration
+        return self._finish(data)
 
 
 # -- iterable datasets with a failure budget ----------------------------------------------------

@@ -11,6 +11,7 @@ iterator, pin_memory warnings, the IterableDataset length warning, ``len()``) an
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import traceback
 import warnings
@@ -18,7 +19,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch.utils.data
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import resume
 from .batching import (
@@ -36,6 +36,13 @@ from .batching import (
     tolerant_batches,
 )
 from .cache import ByteLRU, CacheStats, cached
+from .compat import (
+    BaseDataLoaderIter,
+    is_iterable,
+    iterator_error,
+    pin_memory,
+    profiler_enabled,
+)
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures
 from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
@@ -223,7 +230,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         around torch's guard on ``sampler`` and ``batch_sampler``: it replaces the sampler torch
         built itself with its sharded equivalent, which is what the guard protects.
         """
-        if not self._shards_itself or self._dataset_kind == _DatasetKind.Iterable:
+        if not self._shards_itself or is_iterable(self.dataset):
             return
         ranks = world()
         if ranks is None or not is_default_sampler(self.sampler):
@@ -236,7 +243,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _rank_split(self) -> tuple[int, int] | None:
         """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks."""
-        if self.distributed and self._dataset_kind == _DatasetKind.Iterable:
+        if self.distributed and is_iterable(self.dataset):
             return world()
         return None
 
@@ -309,7 +316,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         GIL-free code are cheap, so more threads than cores is a normal setting here."""
 
 
-class _ThreadDataLoaderIter(_BaseDataLoaderIter):
+class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
         resumed = resume.take_continuation(loader)
         # a resumed pass's seeds come from the state: undo the base_seed draw on the global RNG
@@ -318,16 +325,16 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             super().__init__(loader)
         self._pass = resume.start_pass(self, loader, resumed, prime=self._num_workers > 0)
         if self._num_workers == 0 and self._timeout != 0:
-            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+            raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
         if self._num_workers > 0 and loader.prefetch_factor <= 0:
-            raise AssertionError(
+            raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         ranks = loader._rank_split()
         if ranks is not None:
             self._dataset = RankShard(self._dataset, *ranks)
         self._transfer = self._device_transfer(loader)
-        self._finish = finisher(self._collate_fn, self._pin_device())
+        self._finish = finisher(self._collate_fn, self._pinner())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
         processes = uses_processes(loader.worker_method) and self._num_workers > 0
@@ -349,12 +356,17 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
             return None
         return DeviceTransfer(rank_device(device), loader.device_transform)
 
-    def _pin_device(self) -> str | None:
-        """Pin where torch would (pin_memory=True and an accelerator), and always before a copy to
-        a CUDA device: copies from pinned memory are the ones that can overlap compute."""
+    def _pinner(self) -> Callable[[Any], Any] | None:
+        """How a finished batch is pinned, or None. Where torch would pin (pin_memory=True and an
+        accelerator), as torch's iterator decided (its ``_pin_memory_device``: the accelerator
+        from torch 2.9 on, None, meaning the current accelerator, or the user's device before);
+        and always before a copy to a CUDA device, since copies from pinned memory are the ones
+        that can overlap compute."""
         if self._transfer is not None and self._transfer.device.type == "cuda":
-            return "cuda"
-        return self._pin_memory_device if self._pin_memory else None
+            return functools.partial(pin_memory, device=None)  # the current accelerator: CUDA
+        if not self._pin_memory:
+            return None
+        return functools.partial(pin_memory, device=self._pin_memory_device)
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
     def _load(self, loader: DataLoader, hooks: Hooks) -> Callable[[Any], Any]:
@@ -364,21 +376,12 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
 
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[Any], Any]:
         hooks = loader._hooks
-        if self._budget.enabled and self._dataset_kind == _DatasetKind.Iterable:
-            batches = self._iterable_worker()(0)  # the tolerant batches a worker would make
+        if is_iterable(self._dataset):
+            batches = self._iterable_worker()(0)  # the batches a worker would make
             return lambda index: next(batches)
-        if self._budget.enabled and hooks is None:
+        if hooks is None:
             fetch = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
             return lambda index: fetch(FetchTask(index))
-        if self._dataset_kind == _DatasetKind.Iterable or hooks is None:
-            fetcher = _DatasetKind.create_fetcher(
-                self._dataset_kind,
-                self._dataset,
-                self._auto_collation,
-                self._finish,
-                self._drop_last,
-            )
-            return fetcher.fetch
         load = self._load(loader, hooks)
         if hooks.load_is_async:
             load_async = load
@@ -414,7 +417,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         )
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
-        if self._dataset_kind == _DatasetKind.Iterable:
+        if is_iterable(self._dataset):
             source = WorkerSource(
                 self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
@@ -573,7 +576,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
 
     def __next__(self) -> Any:
         try:
-            if torch.autograd._profiler_enabled():
+            if profiler_enabled():
                 return super().__next__()  # torch's own, inside its record_function region
             return self._next_unprofiled()
         except StopIteration:
@@ -600,7 +603,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         data = self._next_data()
         self._num_yielded += 1
         if (
-            self._dataset_kind == _DatasetKind.Iterable
+            is_iterable(self._dataset)
             and self._IterableDataset_len_called is not None
             and self._num_yielded > self._IterableDataset_len_called
         ):
@@ -630,7 +633,7 @@ class _ThreadDataLoaderIter(_BaseDataLoaderIter):
         if self._pipeline.closed:  # close() was called: start the threads again
             self._pipeline = self._start_pipeline(loader)
             self.stats_probe.stages = self._pipeline.stage_stats
-        elif self._dataset_kind == _DatasetKind.Iterable:
+        elif is_iterable(self._dataset):
             self._pipeline.restart()
         else:
             self._pipeline.restart(self._make_source(self._sampler_iter))

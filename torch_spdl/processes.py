@@ -45,13 +45,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.multiprocessing
-from torch._utils import ExceptionWrapper
-from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
-from torch.utils.data._utils.pin_memory import pin_memory
-from torch.utils.data._utils.worker import ManagerWatchdog, _generate_state
-from torch.utils.data.dataloader import _DatasetKind
 
 from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
+from .compat import (
+    MP_STATUS_CHECK_INTERVAL,
+    ExceptionWrapper,
+    ManagerWatchdog,
+    is_iterable,
+    numpy_seed,
+    set_thread_name,
+    set_worker_signal_handlers,
+)
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import where
 from .workers import set_process_worker_info, worker_info
@@ -227,8 +231,8 @@ def _worker_main(
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone."""
     try:
-        signal_handling._set_worker_signal_handlers()
-        torch.multiprocessing._set_thread_name("pt_data_worker")
+        set_worker_signal_handlers()
+        set_thread_name("pt_data_worker")
         status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
         conn.send_bytes(dumps((status, payload)))
         if status == READY:
@@ -251,7 +255,7 @@ def _start_worker(
     seed = base_seed + worker
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(_generate_state(base_seed, worker))
+    np.random.seed(numpy_seed(base_seed, worker))
     info = worker_info(job.info_dataset, worker, num_workers, base_seed, PROCESS_WORKER_METHOD)
     set_process_worker_info(info)
     try:
@@ -415,10 +419,10 @@ class ProcessPool:
         base_seed: int,
         worker_init_fn: Callable[[int], None] | None = None,
         context: Any = None,
-        pin_device: str | None = None,
+        pin: Callable[[Any], Any] | None = None,
     ) -> None:
         self.job = job
-        self._pin_device = pin_device
+        self._pin_batch = pin
         self._local = threading.local()
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
@@ -480,7 +484,7 @@ class ProcessPool:
         raise worker.died()
 
     def _pin(self, data: Any) -> Any:
-        return data if self._pin_device is None else pin_memory(data, self._pin_device)
+        return data if self._pin_batch is None else self._pin_batch(data)
 
     # -- stage functions ------------------------------------------------------------------------
     def fetch(self, task: FetchTask) -> Any:
@@ -526,7 +530,7 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
     # torch's warning when worker processes outnumber the CPUs, given where torch gives it
     torch.utils.data.DataLoader.check_worker_number_rationality(loader)
     auto, collate = iterator._auto_collation, iterator._collate_fn
-    if iterator._dataset_kind == _DatasetKind.Iterable:
+    if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(
             iterator._dataset, loader.dataset, auto, collate, iterator._drop_last, batch_size
@@ -541,7 +545,7 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
         base_seed=iterator._base_seed,
         worker_init_fn=loader.worker_init_fn,
         context=loader.multiprocessing_context,
-        pin_device=iterator._pin_device(),
+        pin=iterator._pinner(),
     )
 
 

@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from torch.utils.data.dataloader import _DatasetKind
-
+from .compat import is_iterable
 from .hooks import Hooks
 from .pipeline import Pipeline, Stage
 from .thread_safety import thread_safe_view
@@ -70,7 +69,7 @@ def profile(
     the CPU count) for ``preprocess`` or, without hooks, ``__getitem__``. Pass ``file=None`` to
     print nothing.
     """
-    if loader._dataset_kind == _DatasetKind.Iterable:
+    if is_iterable(loader.dataset):
         raise ValueError("profile() needs a map-style dataset: it replays the sampler's indices")
     cpus = os.cpu_count() or 1
     cpu_levels = cpu_levels or [2**k for k in range(8) if 2**k <= 2 * cpus]

@@ -50,8 +50,8 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from torch.utils.data.dataloader import _DatasetKind
 
+from .compat import is_iterable
 from .sampling import AutoEpochSampler
 
 STATE_VERSION = 1
@@ -386,7 +386,7 @@ def start_pass(
         generator_state(loader.generator),
         None if epoch is None else epoch["epoch"],  # the pass's own; the loader's moves on
         continuation,
-        tracked=iterator._dataset_kind == _DatasetKind.Map,
+        tracked=not is_iterable(iterator._dataset),
     )
     if record.tracked:
         iterator._sampler_iter = record.track(
@@ -400,7 +400,7 @@ def start_pass(
 # -- the loader's side -----------------------------------------------------------------------------
 def describe(loader: Any) -> dict[str, Any]:
     """What must match between the loader that saved a state and the one loading it."""
-    iterable = loader._dataset_kind == _DatasetKind.Iterable
+    iterable = is_iterable(loader.dataset)
     sampler = loader.sampler
     distributed = isinstance(sampler, DistributedSampler)
     batch_sampler = loader.batch_sampler

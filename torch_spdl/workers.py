@@ -15,46 +15,88 @@ from __future__ import annotations
 import ctypes
 import functools
 import random
+import sys
 import threading
+import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils import worker as _torch_worker
-from torch.utils.data._utils.worker import _RNG, WorkerInfo
+import torch.utils.data
+
+from .compat import RNG, WORKER_INFO_FIELDS, WorkerInfo, torch_worker_module
 
 _thread_state = threading.local()
 
 _THREAD_AWARE_SOURCE = """
 def get_worker_info():
     info = getattr(_torch_spdl_thread_state, "info", None)
-    return _worker_info if info is None else info
+    return _torch_spdl_get_worker_info() if info is None else info
 """
 
 
 def _make_get_worker_info_thread_aware() -> None:
-    """Swap the code of torch's ``get_worker_info`` for one that reads a thread-local first.
+    """Make torch's ``get_worker_info`` answer a worker thread's own info first.
 
-    The new code runs with the torch module's globals, so it still returns torch's
-    ``_worker_info`` in worker processes and ``None`` in the main thread.
+    The function object stays torch's and only its code changes, so that references taken
+    before torch_spdl was imported answer per thread too. The new code reads our thread-local
+    and otherwise calls torch's original code, whatever it does: no assumption is made about how
+    torch stores its worker info, so a torch that changes that function is still followed. Where
+    the code cannot be swapped (a torch whose ``get_worker_info`` is not a plain function), the
+    module attributes are replaced instead (see :func:`_replace_get_worker_info`).
     """
-    target = _torch_worker.get_worker_info
-    if getattr(_torch_worker, "_torch_spdl_thread_state", None) is _thread_state:
+    target = torch.utils.data.get_worker_info
+    namespace = getattr(target, "__globals__", None)
+    if namespace is not None and "_torch_spdl_get_worker_info" in namespace:
+        namespace["_torch_spdl_thread_state"] = _thread_state  # this module was reloaded
         return
-    _torch_worker._torch_spdl_thread_state = _thread_state
-    namespace: dict[str, Any] = {}
-    exec(_THREAD_AWARE_SOURCE, vars(_torch_worker), namespace)
-    target.__code__ = namespace["get_worker_info"].__code__
+    try:
+        original = types.FunctionType(
+            target.__code__, namespace, target.__name__, target.__defaults__, target.__closure__
+        )
+        compiled: dict[str, Any] = {}
+        exec(_THREAD_AWARE_SOURCE, {}, compiled)
+        target.__code__ = compiled["get_worker_info"].__code__  # ValueError if it has a closure
+    except (AttributeError, TypeError, ValueError):
+        _replace_get_worker_info(target)
+        return
+    namespace["_torch_spdl_get_worker_info"] = original
+    namespace["_torch_spdl_thread_state"] = _thread_state
+
+
+def _replace_get_worker_info(original: Callable[[], Any]) -> None:
+    """The fallback: a thread-aware function in place of torch's in every torch module that
+    exports it. A reference taken before torch_spdl was imported keeps torch's, which answers
+    None in a worker thread, so this warns."""
+
+    def get_worker_info() -> Any:
+        info = getattr(_thread_state, "info", None)
+        return original() if info is None else info
+
+    get_worker_info.__doc__ = original.__doc__
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.utils.data") and getattr(module, "get_worker_info", None) is (
+            original
+        ):
+            module.get_worker_info = get_worker_info
+    warnings.warn(
+        f"torch_spdl could not make torch {torch.__version__}'s get_worker_info() answer per "
+        "worker thread in place; code that took a reference to it before torch_spdl was "
+        "imported gets None in worker threads. Import torch_spdl before such code.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 _make_get_worker_info_thread_aware()
 
 
-def thread_rng(seed: int) -> _RNG:
-    """Per-thread generators (torch ≥ 2.13's ``WorkerInfo.rng``): threads share the global RNGs,
+def thread_rng(seed: int) -> Any:
+    """Per-thread generators (``WorkerInfo.rng`` of torch ≥ 2.12): threads share the global RNGs,
     so a worker that wants reproducible randomness draws from these instead."""
-    return _RNG(
+    return RNG(
         random_generator=random.Random(seed),
         torch_generator=torch.Generator().manual_seed(seed),
         numpy_generator=np.random.default_rng(seed),
@@ -95,18 +137,18 @@ def _omp_set_num_threads() -> Callable[[int], Any] | None:
 
 def worker_info(
     dataset: Any, worker_id: int, num_workers: int, base_seed: int, worker_method: str
-) -> WorkerInfo:
+) -> Any:
     """torch's WorkerInfo for one worker, seeded as torch seeds it (``base_seed + worker_id``),
-    with its own generators (torch ≥ 2.13's ``WorkerInfo.rng``)."""
+    with the fields the installed torch's WorkerInfo has: from torch 2.12 on, ``worker_method``
+    and its own generators in ``rng`` (torch leaves ``rng`` None in its worker processes; ours
+    fill it there too, so a dataset that draws from it runs on threads and processes alike)."""
     seed = base_seed + worker_id
-    return WorkerInfo(
-        id=worker_id,
-        num_workers=num_workers,
-        seed=seed,
-        dataset=dataset,
-        rng=thread_rng(seed),
-        worker_method=worker_method,
-    )
+    fields: dict[str, Any] = dict(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
+    if "worker_method" in WORKER_INFO_FIELDS:
+        fields["worker_method"] = worker_method
+    if "rng" in WORKER_INFO_FIELDS and RNG is not None:
+        fields["rng"] = thread_rng(seed)
+    return WorkerInfo(**fields)
 
 
 def worker_starter(
@@ -131,8 +173,10 @@ def worker_starter(
     return start
 
 
-def set_process_worker_info(info: WorkerInfo) -> None:
-    """In a worker process: publish ``info`` where torch's own worker processes do (the module
-    global ``get_worker_info()`` returns), and drop a thread's info inherited through ``fork``."""
-    _thread_state.info = None
-    _torch_worker._worker_info = info
+def set_process_worker_info(info: Any) -> None:
+    """In a worker process: publish ``info`` for this thread, and also where torch's own worker
+    processes do (the module global torch's ``get_worker_info()`` returns), so that threads the
+    dataset starts in the worker see it too."""
+    _thread_state.info = info
+    if hasattr(torch_worker_module, "_worker_info"):
+        torch_worker_module._worker_info = info

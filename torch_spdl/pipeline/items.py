@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from torch._utils import ExceptionWrapper
+from ..compat import ExceptionWrapper
 
 
 @dataclass(frozen=True, slots=True)
