@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
+    model: nn.Module | None = None
     try:
         torch.manual_seed(0)  # the same initial weights everywhere (DDP broadcasts rank 0's too)
         fake = datasets.FakeData(
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         sampler = type(loader.sampler).__name__
         print(f"rank {rank}/{world_size}: sampler {sampler}, {len(loader)} batches per epoch")
 
-        model: nn.Module = SmallCNN()
+        model = SmallCNN()
         if distributed:
             model = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
                 assert not repeated, f"epoch(s) {repeated} read the previous epoch's permutation"
                 print("OK: every epoch read a new permutation")
     finally:
+        # DDP goes before the process group. On torch 2.8 a gloo group whose last reference is
+        # DDP's reducer is destroyed while holding the GIL, and its worker thread waits for the
+        # GIL: the rank hangs at exit (fixed in torch 2.9, pytorch/pytorch#154976).
+        model = None
         if distributed:
             dist.destroy_process_group()
 

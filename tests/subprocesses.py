@@ -1,15 +1,23 @@
-"""Helpers for tests that run the checkout in fresh interpreters: examples, torchrun, Lightning."""
+"""Helpers for tests that run the checkout in fresh interpreters: examples, torchrun, Lightning.
+
+Every such run is a *job* (:func:`job_env`): whatever way the test ends, every process the job
+started is ended with it, launchers' children included.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+JOB_MARK = "TORCH_SPDL_TEST_JOB"
 
 
 def checkout_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -18,6 +26,35 @@ def checkout_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:
     env = dict(base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
+
+
+@contextlib.contextmanager
+def job_env(base: Mapping[str, str] = os.environ) -> Iterator[dict[str, str]]:
+    """:func:`checkout_env` for a job of processes, each of which is killed when the block ends.
+
+    Launchers put their children in sessions of their own (torchrun's ranks), and a child whose
+    launcher died is reparented away from us, so neither process groups nor the process tree
+    find them all. Their environment does: every process carrying this job's mark is killed.
+    """
+    env = checkout_env(base)
+    env[JOB_MARK] = uuid.uuid4().hex
+    try:
+        yield env
+    finally:
+        end_job(env[JOB_MARK])
+
+
+def end_job(mark: str) -> None:
+    """SIGKILL every process whose environment has ``JOB_MARK=mark`` (Linux's /proc)."""
+    needle = f"{JOB_MARK}={mark}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -29,14 +66,15 @@ def free_port() -> int:
 
 def run_python(*args: str, timeout: float = 120) -> str:
     """``python ARGS`` on the checkout, in a fresh interpreter: its stdout; fails on rc != 0."""
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    with job_env() as env:
+        result = subprocess.run(
+            [sys.executable, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"python {args[0]} exited with {result.returncode}:\n{output}"
     return result.stdout

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from PIL import Image
-from subprocesses import REPO, checkout_env, run_python
+from subprocesses import REPO, job_env, run_python
 
 import torch_spdl
 from torch_spdl.bench import data, images, memory, profile, remote, report, strings, targets
@@ -300,11 +300,13 @@ def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
     """Workload A end to end: the table, the targets, the per-stage view, the JSON and the PNG.
     One workload runs in the bench's own process."""
     out = tmp_path / "out"
-    env = checkout_env()
-    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "A"]
     command += ["--batches", "1", "--images", "64", "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    with job_env() as env:
+        env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+        result = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
     assert result.returncode == 0, result.stdout + result.stderr
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert header in result.stdout
@@ -326,12 +328,14 @@ def test_several_workloads_run_in_fresh_processes_under_a_parent_without_torch(t
     """With several workloads each runs in its own process, under a parent that has not mapped
     torch: one that had would take its share of torch's pages off every PSS measured."""
     out = tmp_path / "out"
-    env = checkout_env()
-    env["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
     command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "C,B"]
     command += ["--batches", "2", "--strings", "5000", "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    with job_env() as env:
+        env["TMPDIR"] = str(tmp_path / "tmp")
+        result = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "\n| B | torch_spdl async load | 16 |" in result.stdout, result.stdout
     assert "\n| C | torch_spdl | 2 |" in result.stdout, result.stdout

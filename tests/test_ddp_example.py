@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from subprocesses import REPO, checkout_env, free_port
+from subprocesses import REPO, free_port, job_env
 
 SCRIPT = str(REPO / "examples" / "ddp_train.py")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -21,35 +19,35 @@ OK_EPOCHS = "OK: every epoch read a new permutation"
 def run_all(*commands: list[str], tmp: Path, timeout: float = 180) -> str:
     """Run ``commands`` side by side from the repo root; their joined output, failing on rc != 0.
 
-    The checkout goes first on PYTHONPATH. Each command runs in its own session so that a
-    timeout kills the whole job, torchrun's rank processes included. Temporary files go to
-    ``tmp``: torchrun makes a ``torchelastic_*`` log directory there and never removes it.
+    The checkout goes first on PYTHONPATH. One job (:func:`~subprocesses.job_env`): however the
+    test ends, torchrun's rank processes end too. Temporary files go to ``tmp``: torchrun makes a
+    ``torchelastic_*`` log directory there and never removes it.
     """
-    env = checkout_env()
-    env["TMPDIR"] = str(tmp)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # a test run under some other launcher must not leak into ours
-    procs = [
-        subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for command in commands
-    ]
     outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    with job_env() as env:
+        env["TMPDIR"] = str(tmp)
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)  # a test run under some other launcher must not leak into ours
+        procs = [
+            subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for command in commands
+        ]
+        try:
+            for proc in procs:
+                outputs.append(proc.communicate(timeout=timeout)[0])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
                 proc.wait()
+                proc.stdout.close()
     out = "\n".join(outputs)
     assert [proc.returncode for proc in procs] == [0] * len(procs), out
     return out

@@ -12,10 +12,7 @@ by running the launching command line again.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +21,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from subprocesses import checkout_env, free_port  # noqa: E402
+from subprocesses import free_port, job_env  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,14 +47,13 @@ CASES = [
 ]
 
 
-def script_env() -> dict[str, str]:
-    env = checkout_env(
-        {
-            key: value
-            for key, value in os.environ.items()
-            if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
-        }
-    )
+def script_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what would make Lightning think it runs under a launcher already."""
+    env = {
+        key: value
+        for key, value in env.items()
+        if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
+    }
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())
     env["PYTHONUNBUFFERED"] = "1"
@@ -70,23 +66,21 @@ def fit(request, tmp_path_factory) -> tuple[tuple[str, str], list[dict]]:
     build, distributed = request.param
     out = tmp_path_factory.mktemp(f"lightning-{build}-{distributed}")
     log = out / "log.txt"
-    with log.open("w") as sink:
-        # its own session, so that a hung rank 1 (the script's child) can be ended with it
+    # one job: a hung rank 1 (the script's child) ends with the test
+    with log.open("w") as sink, job_env() as env:
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), build, distributed, str(out)],
             cwd=out,
-            env=script_env(),
+            env=script_env(env),
             stdout=sink,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
         try:
             code = proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             code = "timeout (180 s)"
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # any rank left behind
+            proc.kill()
             proc.wait()
     output = log.read_text()[-6000:]
     assert code == 0, f"fit exited with {code}:\n{output}"
