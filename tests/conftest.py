@@ -38,11 +38,15 @@ def child_pids() -> set[int]:
 
 
 def helper_pids() -> set[int]:
-    """multiprocessing's own long-lived helpers (``spawn`` starts a resource tracker)."""
-    from multiprocessing import resource_tracker
+    """multiprocessing's own long-lived helpers: the resource tracker (``spawn`` and
+    ``forkserver`` start one) and the fork server, each started once per process."""
+    from multiprocessing import forkserver, resource_tracker
 
-    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {pid} if pid else set()
+    pids = {
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+    }
+    return pids - {None}
 
 
 @pytest.fixture

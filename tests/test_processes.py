@@ -9,6 +9,7 @@ checked at once, without waiting: stopping a pipeline joins its processes before
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -29,6 +30,9 @@ EPOCHS = 2
 
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
+
+CONTEXT = processes.start_context(None)
+"""Where the loader starts its workers by default: their events and barriers come from it too."""
 
 
 # -- datasets (module level: a spawned worker imports them) --------------------------------------
@@ -77,7 +81,7 @@ class Who(Dataset):
     """
 
     def __init__(self):
-        self.met = multiprocessing.get_context("fork").Barrier(2)
+        self.met = CONTEXT.Barrier(2)
         self.waited = False  # per worker process: each has its own copy
 
     def __len__(self):
@@ -202,7 +206,7 @@ class Pids(Dataset):
     other worker is at the same point, so both workers read every epoch, four items each."""
 
     def __init__(self, meet: bool = True):
-        self.met = multiprocessing.get_context("fork").Barrier(2) if meet else None
+        self.met = CONTEXT.Barrier(2) if meet else None
 
     def __len__(self):
         return 8
@@ -460,7 +464,7 @@ def test_workers_killed_between_epochs_fail_the_next_one():
 
 
 def test_timeout_raises_torchs_error():
-    gate = multiprocessing.get_context("fork").Event()
+    gate = CONTEXT.Event()
     it = iter(ours(WaitsAt(gate), num_workers=2, timeout=0.3))
     with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.3 seconds$"):
         for _ in range(8):
@@ -475,7 +479,7 @@ def ignore_sigterm(worker_id: int) -> None:
 
 def test_a_worker_stuck_in_user_code_is_killed_on_shutdown(monkeypatch):
     monkeypatch.setattr(processes, "SHUTDOWN_GRACE", 0.2)
-    never = multiprocessing.get_context("fork").Event()
+    never = CONTEXT.Event()
     it = iter(ours(WaitsAt(never), num_workers=2, timeout=0.3, worker_init_fn=ignore_sigterm))
     with pytest.raises(RuntimeError, match="timed out"):
         for _ in range(8):
@@ -493,6 +497,44 @@ def test_a_dataset_spawn_cannot_pickle_fails_at_iter():
     loader = ours(Unpicklable(), num_workers=2, multiprocessing_context="spawn")
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="pickle"):
         iter(loader)
+
+
+class ParentPid(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return os.getppid()
+
+
+def test_workers_start_from_a_fork_server_unless_the_program_chose_a_method():
+    """Not forked from this process, whose threads may hold locks; ``fork`` when asked for."""
+    assert CONTEXT.get_start_method() == "forkserver"
+    parents = {int(pid) for pid in ours(ParentPid(), num_workers=2, batch_size=None)}
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert parents == {server} != {os.getpid()}
+    forked = ours(ParentPid(), num_workers=2, batch_size=None, multiprocessing_context="fork")
+    assert {int(pid) for pid in forked} == {os.getpid()}
+
+
+@pytest.mark.parametrize("chosen", [None, "fork", "spawn", "forkserver"])
+def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, chosen):
+    """A process that used the default context once reads as having chosen ``fork``."""
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: chosen)
+    context = processes.start_context(None)
+    assert context.get_start_method() == ("forkserver" if chosen in (None, "fork") else chosen)
+    assert processes.start_context(CONTEXT) is CONTEXT
+
+
+def test_an_unpicklable_dataset_says_how_to_start_by_fork():
+    loader = ours(Unpicklable(), num_workers=2)
+    with (
+        pytest.warns(RuntimeWarning, match="multiprocessing_context='fork'"),
+        pytest.raises((AttributeError, TypeError, pickle.PicklingError), match="pickle"),
+    ):
+        iter(loader)
+    forked = ours(Unpicklable(), num_workers=2, multiprocessing_context="fork", batch_size=None)
+    assert [sample["i"] for sample in forked] == list(range(N))
 
 
 # -- arguments -------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 - **The engine is unchanged.** The stage still has ``num_workers`` threads. Thread *w* owns worker
   process *w* and one pipe to it: it sends a task and waits for the answer. Ordering, back-pressure
   (``prefetch_factor``), ``timeout``, persistent workers and stop/join are the engine's own.
-- **The dataset is sent once per worker**, at start: inherited with ``fork``, pickled once with
-  ``spawn``/``forkserver``, as torch's workers get it (so the same picklability rules apply).
+- **Workers start from a fork server** unless the program chose otherwise (see
+  :func:`start_context`): forking a process whose other threads may hold locks can deadlock the
+  child.
+- **The dataset is sent once per worker**, at start: pickled once with ``forkserver``/``spawn``,
+  inherited with ``fork``, as torch's workers get it (so the same picklability rules apply).
   ``load`` hooks stay on the I/O threads; only ``preprocess`` (and what it is given) crosses over.
 - **Tensors come back in shared memory** through torch's multiprocessing reductions, and
   ``default_collate`` builds a batch in shared memory directly, since ``get_worker_info()`` is set
@@ -30,11 +33,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import multiprocessing
 import os
+import pickle
 import random
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,7 +50,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.multiprocessing
+import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
 from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
 from .compat import (
@@ -346,12 +352,71 @@ def _start_process(
     )
     try:
         process.start()
+    except (TypeError, AttributeError, pickle.PicklingError) as error:
+        ours.close()
+        _explain_pickling(context, error)
+        raise
     except BaseException:
         ours.close()
         raise
     finally:
         theirs.close()  # the worker has its own copy now
     return _Worker(worker, process, ours)
+
+
+def start_context(requested: Any) -> Any:
+    """The multiprocessing context worker processes start from.
+
+    ``multiprocessing_context`` keeps torch's meaning: a context (torch has turned a method's
+    name into one) is used as given, ``fork`` included. Where it is None, torch takes the
+    process's default start method, ``fork`` on Linux before Python 3.14; we never fork unasked.
+    This process runs threads (the loader's, the training loop's, libraries'), and a child forked
+    while one of them holds a lock inherits the lock held, forever (Python ≥ 3.12 warns of this).
+    So workers start from a fork server, Python 3.14's default on Linux: a fresh interpreter that
+    imports torch and this module once, from which each worker is forked in milliseconds. A
+    program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
+    keeps its choice; a chosen ``fork`` cannot be told from the default, which is ``fork`` too.
+    Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
+    the worker, which therefore needs an ``if __name__ == "__main__":`` guard.
+    """
+    if requested is not None:
+        return requested
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    if chosen not in (None, "fork"):
+        return multiprocessing.get_context(chosen)
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_forkserver_preload())
+    return context
+
+
+def _forkserver_preload() -> list[str]:
+    """The fork server's preload list (the main script, by default) with this module added, so
+    that workers start with torch imported. Read through a private name of the standard library,
+    with its default where that is gone."""
+    import multiprocessing.forkserver
+
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    current = getattr(server, "_preload_modules", None) or ["__main__"]
+    return list(dict.fromkeys([*current, __name__]))
+
+
+def _explain_pickling(context: Any, error: Exception) -> None:
+    """Say why a worker could not start where its arguments had to be pickled, and the ways out
+    (torch warns likewise where Python 3.14 made it start workers from a fork server)."""
+    method = context.get_start_method()
+    if method == "fork":
+        return
+    warnings.warn(
+        f"worker_method='process' could not start a worker process by {method!r}: what a "
+        "worker is given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must "
+        f"be picklable, and this was not ({error}). Make it picklable, or pass "
+        "multiprocessing_context='fork' to fork the workers from this process, which is safe "
+        "only while no other thread holds a lock.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 class _Processes:
@@ -426,7 +491,7 @@ class ProcessPool:
         self._local = threading.local()
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
-        context = torch.multiprocessing if context is None else context
+        context = start_context(context)
         try:
             for worker in range(num_workers):
                 self._processes.workers.append(
