@@ -153,4 +153,6 @@ def test_iterable_len_too_short_warns_as_torch_does(num_workers):
         got = list(loader)
     assert [int(x) for x in got] == [int(x) for x in want] == list(range(6))
     texts = [str(w.message) for w in ours if "Length of IterableDataset" in str(w.message)]
-    assert texts and texts[0] == str(torch_warnings[0].message)
+    # torch's own may come with others (Python >= 3.12 warns when torch forks its workers)
+    want_texts = [str(w.message) for w in torch_warnings if "Length of" in str(w.message)]
+    assert texts and texts[0] == want_texts[0]

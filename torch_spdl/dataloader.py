@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch.utils.data
 
-from . import resume
+from . import gil, resume
 from .batching import (
     Assembler,
     FetchTask,
@@ -279,6 +279,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._iterator = None
 
     def __iter__(self) -> Any:
+        if self.num_workers > 0:
+            gil.check()  # worker threads on a free-threaded Python that got its GIL back
         if self._cache is None:  # cache_bytes or preload may have been set after construction
             self._cache = self._make_cache()
         if self.preload and not self._preloaded:
