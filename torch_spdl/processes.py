@@ -538,7 +538,7 @@ class ProcessPool:
         if worker.conn in ready:
             try:
                 return worker.conn.recv()
-            except EOFError:
+            except (EOFError, ConnectionResetError):  # its end closed, or reset as it was killed
                 raise worker.died() from None
             except Exception as error:  # shared tensors are fetched from their sender: gone?
                 if not worker.process.is_alive():
