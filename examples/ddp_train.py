@@ -7,10 +7,11 @@ single-process script::
     DataLoader(dataset, batch_size=32, shuffle=True, num_workers=2)
 
 No ``DistributedSampler``, no ``sampler.set_epoch(epoch)``: once the process group is up,
-``torch_spdl.DataLoader`` gives each rank its own shard (``loader.sampler`` becomes an
-``AutoEpochSampler``, a ``DistributedSampler`` subclass) and moves to the next epoch's permutation
-at every new pass. Each rank prints what it got; rank 0 gathers every rank's sample indices and
-checks that each epoch's shards are disjoint, cover the data set, and that epochs differ.
+``torch_spdl.DataLoader`` gives each rank its own shard (it reads ``loader.rank_sampler``, an
+``AutoEpochSampler``, a ``DistributedSampler`` subclass, while ``loader.sampler`` stays torch's)
+and moves to the next epoch's permutation at every new pass. Each rank prints what it got; rank 0
+gathers every rank's sample indices and checks that each epoch's shards are disjoint, cover the
+data set, and that epochs differ.
 
 Run from the repository root::
 
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         loader = torch_spdl.DataLoader(
             dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers
         )
-        sampler = type(loader.sampler).__name__
+        # what the loader reads: its per-rank sampler under DDP, else torch's RandomSampler
+        sampler = "AutoEpochSampler" if loader.rank_sampler is not None else "RandomSampler"
         print(f"rank {rank}/{world_size}: sampler {sampler}, {len(loader)} batches per epoch")
 
         model = SmallCNN()

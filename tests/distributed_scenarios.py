@@ -41,10 +41,18 @@ def epochs(loader, count: int = 3) -> list[list[list[int]]]:
     return [[torch.as_tensor(b).tolist() for b in loader] for _ in range(count)]
 
 
+def torch_class(obj) -> str:
+    """The name of the first class of ``obj``'s that torch.utils.data defines."""
+    return next(c.__name__ for c in type(obj).__mro__ if c.__module__.startswith("torch.utils"))
+
+
 def facts(loader) -> dict:
+    """The sampler the loader reads (its per-rank one, where it shards) and the one it shows."""
+    used = loader.rank_sampler if loader.rank_sampler is not None else loader.sampler
     return {
-        "sampler": type(loader.sampler).__name__,
-        "is_distributed": isinstance(loader.sampler, DistributedSampler),
+        "sampler": type(used).__name__,
+        "is_distributed": isinstance(used, DistributedSampler),
+        "shown": torch_class(loader.sampler),
         "len": len(loader),
     }
 
@@ -71,7 +79,7 @@ def scenarios() -> dict:
     resumed = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
     resumed.set_epoch(5)
     first = epochs(resumed, 1)[0]
-    resumed.sampler.set_epoch(7)
+    resumed.rank_sampler.set_epoch(7)
     second = epochs(resumed, 1)[0]
     third = epochs(resumed, 1)[0]  # nothing set: the loader moves on to epoch 8
     out["resumed"] = {"epochs": [first, second, third]}
@@ -101,6 +109,8 @@ def scenarios() -> dict:
 
     stream = DataLoader(Stream(41), batch_size=4, num_workers=2)
     out["iterable"] = {**facts(stream), "epochs": epochs(stream, 2)}
+    dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
+    out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
     out["resume_in_order"] = resume_scenario(in_order=True)
     out["resume_completion_order"] = resume_scenario(in_order=False)
@@ -150,7 +160,7 @@ def built_before_the_group() -> DataLoader:
 def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """The body of each spawned rank."""
     early = built_before_the_group()
-    early_sampler = type(early.sampler).__name__
+    early_sampler = torch_class(early.sampler) if early.rank_sampler is None else "sharded"
     persistent = DataLoader(
         Indices(40), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
     )

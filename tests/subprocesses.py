@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,6 +56,24 @@ def end_job(mark: str) -> None:
         if needle in environ:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.name), signal.SIGKILL)
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, ranks: int, timeout: float = 150) -> None:
+    """``fn(rank, *args)`` in ``ranks`` spawned processes (``torch.multiprocessing``), failing if
+    one fails or all have not finished within ``timeout`` s; none is left running either way."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=ranks, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the {ranks} ranks did not finish within {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
 
 
 def free_port() -> int:

@@ -7,8 +7,8 @@ import itertools
 import distributed_scenarios
 import pytest
 import torch
-import torch.multiprocessing as mp
 from index_datasets import Indices
+from subprocesses import spawn_ranks
 from torch.utils.data import DistributedSampler
 
 WORLD = 2
@@ -18,12 +18,7 @@ WORLD = 2
 def ranks(tmp_path_factory) -> list[dict]:
     """Every scenario's results, one dict per rank, from one spawn of the group."""
     tmp = tmp_path_factory.mktemp("ddp")
-    mp.spawn(
-        distributed_scenarios.run,
-        args=(WORLD, str(tmp / "init"), str(tmp)),
-        nprocs=WORLD,
-        join=True,
-    )
+    spawn_ranks(distributed_scenarios.run, (WORLD, str(tmp / "init"), str(tmp)), WORLD)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -49,10 +44,14 @@ def reference(n: int, epoch: int, seed: int, shuffle: bool = True, drop_last=Fal
 
 
 @pytest.mark.parametrize("name", ["shuffle", "staged", "sequential", "drop_last", "padded"])
-def test_loader_exposes_a_distributed_sampler_and_equal_lengths(ranks, name):
+def test_loader_reads_a_distributed_sampler_and_shows_torchs(ranks, name):
+    """It shards with a DistributedSampler; ``loader.sampler`` stays the sampler torch's loader
+    shows, so code that rebuilds a loader from it shards once (see test_sharing_once.py)."""
     for result in ranks:
         assert result[name]["is_distributed"]
         assert result[name]["sampler"] == "AutoEpochSampler"
+        want = "SequentialSampler" if name == "sequential" else "RandomSampler"
+        assert result[name]["shown"] == want
     assert ranks[0][name]["len"] == ranks[1][name]["len"]
     for epoch in range(len(ranks[0][name]["epochs"])):
         counts = [len(result[name]["epochs"][epoch]) for result in ranks]
@@ -117,7 +116,8 @@ def test_custom_samplers_are_untouched(ranks):
 
 def test_distributed_false_keeps_torchs_behaviour(ranks):
     for result in ranks:
-        assert result["opted_out"]["sampler"] == "RandomSampler"
+        assert result["opted_out"]["shown"] == "RandomSampler"
+        assert not result["opted_out"]["is_distributed"]
         assert sorted(flat(result["opted_out"]["epochs"][0])) == list(range(20))
 
 
@@ -129,11 +129,18 @@ def test_process_group_started_after_the_loader_is_picked_up(ranks):
     assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(40))
 
 
-def test_iterable_stream_is_split_across_ranks_and_workers(ranks):
+def test_iterable_stream_is_split_across_ranks_and_workers_into_equal_parts(ranks):
+    """Worker 0 streams 0, 2, ..., 40 (21 items), worker 1 streams 1, 3, ..., 39 (20)."""
     for epoch in range(2):
         items = [flat(result["iterable"]["epochs"][epoch]) for result in ranks]
-        assert not set(items[0]) & set(items[1])
-        assert sorted(items[0] + items[1]) == list(range(41))
+        assert len(items[0]) == len(items[1]) == 21  # pad (the default): worker 0's 40 twice
+        assert set(items[0]) & set(items[1]) == {40}
+        assert set(items[0]) | set(items[1]) == set(range(41))
+        batches = [len(result["iterable"]["epochs"][epoch]) for result in ranks]
+        assert batches[0] == batches[1]
+    dropped = [flat(result["iterable_drop"]["epochs"][0]) for result in ranks]
+    assert len(dropped[0]) == len(dropped[1]) == 20 and not set(dropped[0]) & set(dropped[1])
+    assert sorted(dropped[0] + dropped[1]) == list(range(40))  # worker 0's last round dropped
     assert [result["iterable"]["len"] for result in ranks] == [6, 6]  # ceil(ceil(41/2)/4)
 
 

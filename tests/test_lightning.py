@@ -41,7 +41,7 @@ FOREIGN_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "L
 FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_", "OMPI_COMM_WORLD_", "PMI_", "LSB_", "JSM_")
 
 CASES = [
-    ("hook", "on"),  # built in train_dataloader(): shards itself, Lightning keeps it
+    ("hook", "on"),  # built in train_dataloader(): Lightning re-creates it with its own sampler
     ("hook", "off"),  # distributed=False: Lightning re-creates it from the captured arguments
     ("prebuilt", "on"),  # built before fit: Lightning re-creates it from its attributes
 ]
@@ -111,7 +111,7 @@ def test_lightning_iterates_a_torch_spdl_loader_with_every_option_kept(fit):
 
 
 def test_one_distributed_sampler_over_the_dataset_and_nothing_stacked(fit):
-    (build, distributed), ranks = fit
+    _, ranks = fit
     for record in ranks:
         for epoch, loader in enumerate(record["loaders"]):
             mro = loader["sampler_mro"]
@@ -123,14 +123,9 @@ def test_one_distributed_sampler_over_the_dataset_and_nothing_stacked(fit):
             assert loader["batch_sampler_mro"][0] == "BatchSampler"
             assert loader["batch_sampler_wraps_sampler"]
             assert loader["sampler_epoch"] == epoch
-            if build == "hook" and distributed == "on":
-                # already sharded when Lightning sees it: kept as built, our sampler as is
-                assert mro[0] == "AutoEpochSampler"
-                assert loader["built_by_us"]
-                assert record["reinstantiated"] == []
-            else:
-                # Lightning's own sampler, used as is: the loader must not shard it again
-                assert mro[0] == "DistributedSampler"
+            # The loader shows torch's sampler, as torch's loader does, so Lightning builds it
+            # anew with its own DistributedSampler, which the loader uses as is: sharded once.
+            assert mro[0] == "DistributedSampler"
 
 
 def test_each_sample_once_per_epoch_across_ranks_in_a_new_order(fit):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch.utils.data
+from torch.utils.data import BatchSampler
 
 from . import gil, resume
 from .batching import (
@@ -48,7 +49,15 @@ from .hooks import Hooks, resolve_hooks
 from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stats import StageStats, call_timed
 from .processes import ProcessPool, attach, process_pool, uses_processes
-from .sampling import AutoEpochSampler, RankShard, distributed_samplers, is_default_sampler, world
+from .sampling import (
+    UNEVEN_RANKS,
+    AutoEpochSampler,
+    WorkerStreams,
+    distributed_samplers,
+    shown_sampler,
+    splits_by_rank,
+    world,
+)
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
@@ -74,7 +83,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       stage (see :mod:`torch_spdl.hooks`).
     - ``distributed``: when a process group of more than one process is up, shard the data per
       rank and reshuffle every epoch by itself (see :mod:`torch_spdl.sampling`); ``False`` keeps
-      torch's behaviour of loading everything on every rank.
+      torch's behaviour of loading everything on every rank. Data something else has split
+      already (a sampler of the user's, a dataset that declares ``splits_by_rank``) is left as is.
+    - ``uneven_ranks``: when the loader splits an IterableDataset's stream by rank and a worker's
+      stream does not divide evenly, ``"pad"`` repeats items so that every rank gets the longest
+      share and ``"drop"`` drops the last round so that every rank gets the shortest: either way
+      every rank has the same number of batches. ``None``: ``"drop"`` with ``drop_last``, else
+      ``"pad"``, as ``DistributedSampler`` does.
     - ``device``: deliver batches on this device (``"cuda"`` is the process's own GPU), pinned and
       copied on a side stream (see :mod:`torch_spdl.transfer`); ``None`` keeps them on the CPU.
     - ``device_transform``: a callable applied to each batch on ``device``, on the transfer
@@ -115,6 +130,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         load_fn: Callable[[Any], Any] | None = None,
         preprocess_fn: Callable[[Any], Any] | None = None,
         distributed: bool = True,
+        uneven_ranks: str | None = None,
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
         cache_bytes: int | None = None,
@@ -148,6 +164,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.load_fn = load_fn
         self.preprocess_fn = preprocess_fn
         self.distributed = distributed
+        if uneven_ranks is not None and uneven_ranks not in UNEVEN_RANKS:
+            raise ValueError(
+                f"uneven_ranks option should be 'pad', 'drop' or None, got {uneven_ranks!r}"
+            )
+        self.uneven_ranks = uneven_ranks
         resolve_device(device)
         if device_transform is not None and not callable(device_transform):
             raise TypeError(f"device_transform must be callable, got {device_transform!r}")
@@ -162,9 +183,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.worker_method = worker_method
         self._cache = self._make_cache()
         self._preloaded = False
+        # What the loader's own iterator reads (`_index_sampler`): the samplers torch built, or
+        # under DDP their per-rank equivalents. `sampler` and `batch_sampler` stay what torch's
+        # loader shows, for code that reads them or rebuilds a loader from them.
+        self._own_samplers = (self.sampler, self.batch_sampler)
+        builds_own = sampler is None and batch_sampler is None and not is_iterable(self.dataset)
+        if builds_own:
+            self._show_samplers()
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
-        self._shards_itself = distributed and sampler is None and batch_sampler is None
+        self._shards_itself = distributed and builds_own
         self._requested_epoch: int | None = None
         self._pass: resume.PassRecord | None = None  # the latest iterator's pass, for state_dict()
         self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
@@ -222,30 +250,57 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._preloaded = True
 
     # -- distributed training ---------------------------------------------------------------------
+    def _show_samplers(self) -> None:
+        """Show the samplers torch built as samplers that warn when something other than this
+        loader's iterator reads them (another loader rebuilt from this one). Set around torch's
+        guard on ``sampler`` and ``batch_sampler``: the same samplers, which is what it protects."""
+        sampler, batch_sampler = self._own_samplers
+        shown = shown_sampler(sampler)
+        object.__setattr__(self, "sampler", shown)
+        if batch_sampler is not None:
+            shown_batches = BatchSampler(shown, batch_sampler.batch_size, batch_sampler.drop_last)
+            object.__setattr__(self, "batch_sampler", shown_batches)
+
+    @property
+    def _index_sampler(self) -> Any:
+        """What this loader's iterator reads: its own sampler or batch sampler (torch's property
+        reads ``sampler`` and ``batch_sampler``, which are what the loader shows)."""
+        sampler, batch_sampler = self.__dict__.get("_own_samplers", (self.sampler, None))
+        return batch_sampler if self._auto_collation else sampler
+
+    @property
+    def rank_sampler(self) -> AutoEpochSampler | None:
+        """The per-rank sampler the loader shards with under DDP, None when it does not shard."""
+        self._shard()
+        sampler = self._own_samplers[0]
+        return sampler if isinstance(sampler, AutoEpochSampler) else None
+
     def _shard(self) -> None:
-        """Swap torch's default sampler for a per-rank one once a process group is up.
+        """Read a per-rank sampler in place of torch's once a process group is up.
 
         Called at construction and again by ``len()``, ``iter()`` and ``set_epoch``, so a process
-        group started after the loader was built is picked up before the first pass. The swap goes
-        around torch's guard on ``sampler`` and ``batch_sampler``: it replaces the sampler torch
-        built itself with its sharded equivalent, which is what the guard protects.
+        group started after the loader was built is picked up before the first pass.
         """
-        if not self._shards_itself or is_iterable(self.dataset):
+        if not self._shards_itself or isinstance(self._own_samplers[0], AutoEpochSampler):
             return
         ranks = world()
-        if ranks is None or not is_default_sampler(self.sampler):
+        if ranks is None:
             return
-        sampler, batch_sampler = distributed_samplers(self, *ranks)
-        object.__setattr__(self, "sampler", sampler)
-        object.__setattr__(self, "batch_sampler", batch_sampler)
+        self._own_samplers = distributed_samplers(self, *ranks)
         if self._requested_epoch is not None:  # set_epoch() came before the process group
-            sampler.set_epoch(self._requested_epoch)
+            self._own_samplers[0].set_epoch(self._requested_epoch)
 
     def _rank_split(self) -> tuple[int, int] | None:
-        """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks."""
-        if self.distributed and is_iterable(self.dataset):
+        """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks:
+        not when it is split already (:func:`~torch_spdl.sampling.splits_by_rank`)."""
+        if self.distributed and is_iterable(self.dataset) and not splits_by_rank(self.dataset):
             return world()
         return None
+
+    def _uneven(self) -> str:
+        if self.uneven_ranks is not None:
+            return self.uneven_ranks
+        return "drop" if self.drop_last else "pad"
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does.
@@ -254,9 +309,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """
         self._requested_epoch = epoch
         self._shard()
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
+        sampler, batch_sampler = self._own_samplers
+        for one in (sampler, getattr(batch_sampler, "sampler", None)):
+            if hasattr(one, "set_epoch"):
+                one.set_epoch(epoch)
 
     # -- checkpointing (see torch_spdl.resume) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -286,8 +342,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.preload and not self._preloaded:
             self._preload()
         self._shard()
-        if isinstance(self.sampler, AutoEpochSampler):
-            self.sampler.begin_pass()
+        if isinstance(self._own_samplers[0], AutoEpochSampler):
+            self._own_samplers[0].begin_pass()
         return super().__iter__()
 
     def __len__(self) -> int:
@@ -332,14 +388,18 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
-        ranks = loader._rank_split()
-        if ranks is not None:
-            self._dataset = RankShard(self._dataset, *ranks)
+        processes = uses_processes(loader.worker_method) and self._num_workers > 0
+        self._streams = WorkerStreams(
+            self._dataset,
+            self._num_workers,
+            loader._rank_split(),
+            loader._uneven(),
+            copies=self._num_workers > 0 and not processes,  # a worker process has its own
+        )
         self._transfer = self._device_transfer(loader)
         self._finish = finisher(self._collate_fn, self._pinner())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
-        processes = uses_processes(loader.worker_method) and self._num_workers > 0
         self.stats_probe = StatsProbe(self._clock, self._budget, processes)
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._pipeline: Pipeline[Any] | None = None
@@ -410,16 +470,22 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
         pool = process_pool(self, loader)  # worker processes, or None for worker threads
+        iterable = is_iterable(self._dataset)
         start = (
             pool.start
             if pool is not None
             else worker_starter(
-                loader.dataset, self._num_workers, self._base_seed, loader.worker_init_fn
+                loader.dataset,
+                self._num_workers,
+                self._base_seed,
+                loader.worker_init_fn,
+                # a stream's worker threads each have their own copy of the dataset
+                copies=self._streams.dataset if iterable else None,
             )
         )
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
-        if is_iterable(self._dataset):
+        if iterable:
             source = WorkerSource(
                 self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
@@ -502,17 +568,21 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return self._index_sampler.batch_size if self._auto_collation else None
 
     def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
-        """What torch's worker process does for an IterableDataset: its own iterator, batched.
+        """What torch's worker process does for an IterableDataset: its own iterator (of its own
+        copy, split by rank where needed: :class:`~torch_spdl.sampling.WorkerStreams`), batched.
 
         A closure over plain values, not a bound method: the worker threads must not hold the
         iterator, or dropping it could never stop them.
         """
-        dataset, auto, finish = self._dataset, self._auto_collation, self._finish
-        drop_last, batch_size = self._drop_last, self._iterable_batch_size()
-        if self._budget.enabled:
-            args = (dataset, batch_size, drop_last, finish, self._budget)
-            return lambda worker_id: tolerant_batches(*args)
-        return lambda worker_id: IterableBatches(dataset, auto, finish, drop_last, batch_size)
+        streams, auto, finish = self._streams, self._auto_collation, self._finish
+        drop_last, batch_size, budget = self._drop_last, self._iterable_batch_size(), self._budget
+        if budget.enabled:
+            return lambda worker: tolerant_batches(
+                streams.stream(worker), batch_size, drop_last, finish, budget
+            )
+        return lambda worker: IterableBatches(
+            streams.stream(worker), auto, finish, drop_last, batch_size
+        )
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_index(self) -> Any:

@@ -64,6 +64,7 @@ from .compat import (
 )
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import where
+from .sampling import WorkerStreams
 from .workers import set_process_worker_info, worker_info
 
 WORKER_METHODS = ("thread", "process", "multiprocessing")
@@ -150,8 +151,7 @@ class FetchJob:
     auto_collation: bool
     collate_fn: Callable[[Any], Any]
 
-    @property
-    def info_dataset(self) -> Any:
+    def info_dataset(self, worker: int) -> Any:
         return self.dataset
 
     def reset(self, worker: int) -> Reply:
@@ -177,7 +177,10 @@ class PreprocessJob:
 
     stage: ClassVar[str] = "preprocess"
     preprocess: Callable[[Any], Any]
-    info_dataset: Any
+    dataset: Any
+
+    def info_dataset(self, worker: int) -> Any:
+        return self.dataset
 
     def reset(self, worker: int) -> Reply:
         return READY, None
@@ -192,23 +195,30 @@ class PreprocessJob:
 
 @dataclass
 class IterableJob:
-    """An IterableDataset: each worker runs its own iterator, batched and collated, as torch's
-    workers do; :meth:`reset` starts a new one each epoch."""
+    """An IterableDataset: each worker runs its own iterator (over ``streams.stream(worker)``:
+    the dataset, split by rank where needed), batched and collated, as torch's workers do;
+    :meth:`reset` starts a new one each epoch."""
 
     stage: ClassVar[str] = "fetch"
-    dataset: Any
-    info_dataset: Any
+    streams: WorkerStreams
     auto_collation: bool
     collate_fn: Callable[[Any], Any]
     drop_last: bool
     batch_size: int | None
     _batches: IterableBatches | None = field(default=None, init=False, repr=False)
 
+    def info_dataset(self, worker: int) -> Any:
+        return self.streams.dataset(worker)
+
     def reset(self, worker: int) -> Reply:
         self._batches = None
         try:
             self._batches = IterableBatches(
-                self.dataset, self.auto_collation, self.collate_fn, self.drop_last, self.batch_size
+                self.streams.stream(worker),
+                self.auto_collation,
+                self.collate_fn,
+                self.drop_last,
+                self.batch_size,
             )
         except Exception:
             return failed(self.stage, worker)
@@ -262,7 +272,9 @@ def _start_worker(
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(numpy_seed(base_seed, worker))
-    info = worker_info(job.info_dataset, worker, num_workers, base_seed, PROCESS_WORKER_METHOD)
+    info = worker_info(
+        job.info_dataset(worker), worker, num_workers, base_seed, PROCESS_WORKER_METHOD
+    )
     set_process_worker_info(info)
     try:
         if worker_init_fn is not None:
@@ -597,9 +609,7 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
     auto, collate = iterator._auto_collation, iterator._collate_fn
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
-        job: Job = IterableJob(
-            iterator._dataset, loader.dataset, auto, collate, iterator._drop_last, batch_size
-        )
+        job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
     elif loader._hooks is None:
         job = FetchJob(loader.dataset, auto, collate)
     else:

@@ -380,7 +380,7 @@ def start_pass(
     if continuation is not None:
         iterator._base_seed = continuation.base_seed
         set_generator_state(loader.generator, continuation.generator)
-    epoch = epoch_state(loader.sampler)
+    epoch = epoch_state(loader._own_samplers[0])
     record = PassRecord(
         iterator._base_seed,
         generator_state(loader.generator),
@@ -401,9 +401,8 @@ def start_pass(
 def describe(loader: Any) -> dict[str, Any]:
     """What must match between the loader that saved a state and the one loading it."""
     iterable = is_iterable(loader.dataset)
-    sampler = loader.sampler
+    sampler, batch_sampler = loader._own_samplers  # what its iterator reads
     distributed = isinstance(sampler, DistributedSampler)
-    batch_sampler = loader.batch_sampler
     return {
         "dataset": "iterable" if iterable else "map",
         "dataset_len": _length(loader.dataset),
@@ -437,7 +436,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     iterator = loader._iterator  # a persistent iterator: its next pass keeps its base_seed
     state["between"] = {
         "generator": generator_state(loader.generator),
-        "epoch": epoch_state(loader.sampler),
+        "epoch": epoch_state(loader._own_samplers[0]),
         "base_seed": None if iterator is None else iterator._base_seed,
         "sampler_state": None if target is None else copy.deepcopy(target.state_dict()),
     }
@@ -483,7 +482,7 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
     batches = _length(loader._index_sampler)
     if batches is not None and max([done.prefix, *(n + 1 for n in done.later)]) > batches:
         raise ValueError(f"the state has batch numbers beyond this loader's {batches} batches")
-    restore_epoch(loader.sampler, saved["epoch"])
+    restore_epoch(loader._own_samplers[0], saved["epoch"])
     target = stateful_sampler(loader._index_sampler)
     _load_sampler(target, saved["sampler_state"])
     rng = saved["sampler_rng"]
@@ -497,7 +496,7 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
 
 
 def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
-    restore_epoch(loader.sampler, saved["epoch"])
+    restore_epoch(loader._own_samplers[0], saved["epoch"])
     _load_sampler(stateful_sampler(loader._index_sampler), saved["sampler_state"])
     reuses_iterator = loader.persistent_workers and loader.num_workers > 0
     if saved["base_seed"] is None or not reuses_iterator:

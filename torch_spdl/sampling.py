@@ -1,16 +1,26 @@
-"""Sampler resolution for distributed training: per-rank shards and a new shuffle every epoch.
+"""Sampler resolution for distributed training: per-rank shards, a new shuffle every epoch, and
+data split once.
 
 With torch's own DataLoader a DDP job must remember a ``DistributedSampler`` and call
 ``set_epoch`` every epoch; forgetting the first duplicates data on every rank, forgetting the
 second repeats one permutation forever. When a process group is up, the loader does both itself,
-on torch's own :class:`~torch.utils.data.DistributedSampler`, and shows it as ``loader.sampler`` so
-that Lightning sees a loader that is already sharded and injects nothing. (Accelerate's
-``prepare`` does not look: it rebuilds a stock loader and shards it again; docs/distributed.md.)
+on torch's own :class:`~torch.utils.data.DistributedSampler`, for its own iterator only:
+``loader.sampler`` and ``loader.batch_sampler`` stay what torch's loader shows, so code that
+rebuilds a loader from them (Accelerate's ``prepare``) or injects a sampler (Lightning) shards
+the data once, as it would torch's, and the result is torch's (see docs/distributed.md).
+
+A stream (an IterableDataset) is split by rank where nothing has split it already
+(:func:`splits_by_rank`), so that every rank reads the same number of items from each worker's
+stream (:class:`RankShard`); and each worker thread iterates its own copy of it
+(:class:`WorkerStreams`), as each of torch's worker processes has its own.
 """
 
 from __future__ import annotations
 
-import itertools
+import copy
+import sys
+import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +30,23 @@ from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
     IterableDataset,
+    IterDataPipe,
     RandomSampler,
     SequentialSampler,
+)
+
+UNEVEN_RANKS = ("pad", "drop")
+
+_DATAPIPE_GRAPH = threading.Lock()
+"""Copying a datapipe graph or walking it (``apply_sharding``) sets a class-wide pickling hook of
+torch's: one thread at a time (two at once fail, seen on free-threaded Python)."""
+
+REBUILT = (
+    "torch_spdl.DataLoader's {what} is being iterated by something other than torch_spdl's own "
+    "iterator: most likely a library rebuilt a DataLoader from this loader's attributes "
+    "(accelerate's prepare() does), so torch_spdl's engine (its threads, load and preprocess "
+    "hooks, sharding and device transfer) is no longer what loads the data. To keep it, do not "
+    "hand the loader to accelerator.prepare(); see docs/distributed.md, 'Hugging Face Accelerate'."
 )
 
 
@@ -78,20 +103,174 @@ def distributed_samplers(loader: Any, rank: int, size: int) -> tuple[Any, Any]:
     return sampler, batch_sampler
 
 
-def is_default_sampler(sampler: Any) -> bool:
-    """Whether ``sampler`` is the kind torch builds from ``shuffle`` (exactly, not a subclass)."""
-    return type(sampler) in (RandomSampler, SequentialSampler)
+# -- what the loader shows -------------------------------------------------------------------------
+class _Shown:
+    """A sampler as torch's loader shows it, for code other than the loader's own iterator; that
+    code iterating it means another loader has taken over, which is worth a warning, once."""
+
+    _warned = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(REBUILT.format(what="sampler"), RuntimeWarning, stacklevel=2)
+        return super().__iter__()  # type: ignore[misc]
+
+
+class ShownRandomSampler(_Shown, RandomSampler):
+    """torch's ``RandomSampler``, shown as ``loader.sampler``: the loader iterates its own."""
+
+
+class ShownSequentialSampler(_Shown, SequentialSampler):
+    """torch's ``SequentialSampler``, shown as ``loader.sampler``: the loader iterates its own."""
+
+
+_SHOWN = {RandomSampler: ShownRandomSampler, SequentialSampler: ShownSequentialSampler}
+
+
+def shown_sampler(sampler: Any) -> Any:
+    """The same sampler (same state, the same generator object) as one that warns when it is
+    iterated: what the loader shows, while its own iterator reads ``sampler`` itself."""
+    shown = object.__new__(_SHOWN[type(sampler)])
+    shown.__dict__.update(vars(sampler))
+    return shown
+
+
+# -- streams -------------------------------------------------------------------------------------
+def splits_by_rank(dataset: Any) -> bool:
+    """Whether ``dataset`` is already split between ranks, so the loader must not split it again.
+
+    - a dataset that says so: ``splits_by_rank = True`` (the public protocol, docs/distributed.md);
+    - a Hugging Face ``datasets.IterableDataset`` from ``split_dataset_by_node``.
+    """
+    if getattr(dataset, "splits_by_rank", False):
+        return True
+    hf = sys.modules.get("datasets")
+    hf_iterable = getattr(hf, "IterableDataset", None)
+    return (
+        hf_iterable is not None
+        and isinstance(dataset, hf_iterable)
+        and bool(
+            getattr(dataset, "_distributed", None)  # what split_dataset_by_node sets
+        )
+    )
 
 
 class RankShard(IterableDataset):
-    """Rank ``rank``'s part of an IterableDataset: every ``size``-th item of each worker's stream.
+    """Rank ``rank``'s part of a stream: of every ``size`` consecutive items, the ``rank``-th.
 
-    It is applied after the dataset's own worker sharding (``get_worker_info()``), so a stream split
-    identically on every rank ends up disjoint across ranks and workers, with nothing lost.
+    It is applied to each worker's stream, after the dataset's own worker sharding
+    (``get_worker_info()``), so a stream split identically on every rank ends up disjoint across
+    ranks and workers. Every rank reads the whole stream, so each knows how long it was: where its
+    length is not a multiple of ``size``, the last round is completed by repeating its items
+    (``uneven="pad"``: every rank gets the longest share) or dropped (``"drop"``: the shortest).
+    Either way every rank gets the same number of items from each worker, hence the same number
+    of batches, with no communication: DDP's collectives cannot hang on a rank that ran out.
     """
 
-    def __init__(self, dataset: IterableDataset, rank: int, size: int) -> None:
-        self.dataset, self.rank, self.size = dataset, rank, size
+    def __init__(self, dataset: Any, rank: int, size: int, uneven: str = "pad") -> None:
+        self.dataset, self.rank, self.size, self.uneven = dataset, rank, size, uneven
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.dataset), self.rank, None, self.size)
+        return _Rounds(iter(self.dataset), self)
+
+
+class _Rounds:
+    """The iterator of a :class:`RankShard`. An object rather than a generator, so an error
+    from the stream does not end it: the items of the round read before it are kept."""
+
+    def __init__(self, stream: Iterator[Any], shard: RankShard) -> None:
+        self._stream, self._shard = stream, shard
+        self._round: list[Any] = []
+        self._ended = False
+
+    def __iter__(self) -> _Rounds:
+        return self
+
+    def __next__(self) -> Any:
+        shard = self._shard
+        while not self._ended and len(self._round) < shard.size:
+            try:
+                self._round.append(next(self._stream))
+            except StopIteration:
+                self._ended = True
+        taken, self._round = self._round, []
+        if len(taken) == shard.size:
+            return taken[shard.rank]
+        if not taken or shard.uneven == "drop":
+            raise StopIteration
+        if shard.rank >= len(taken):
+            warnings.warn(
+                f"rank {shard.rank} of {shard.size}: a worker's stream ended {len(taken)} item(s) "
+                "into a round of one item per rank; this rank repeats one of them, so that every "
+                "rank has as many batches (uneven_ranks='pad'; 'drop' drops such a round)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._ended = True
+        return taken[shard.rank % len(taken)]
+
+
+class WorkerStreams:
+    """What each worker iterates of an IterableDataset, as torch's worker processes would.
+
+    - **Its own copy** (``copies=True``, for worker threads; a worker process has its own
+      already). torch's workers each iterate their own copy, so a dataset whose ``__iter__``
+      returns ``self``, or keeps its position on ``self``, works there. A thread gets
+      ``copy.copy(dataset)``: attributes set on it are its own, while what they refer to (lists,
+      arrays, file handles) is shared, not copied. A dataset controls this with ``__copy__``
+      (returning ``self`` shares one object between the workers). An ``IterDataPipe`` graph keeps
+      its iterators in its nodes, so it is deep-copied, as torch pickles it for each worker.
+    - **Split by rank** where ``ranks`` is given (:class:`RankShard`). A datapipe is split
+      between the workers at its ``sharding_filter`` (``apply_sharding``), as torch's workers do;
+      where we do not split it by rank, torch's loader would, there too: over ranks × workers.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        workers: int,
+        ranks: tuple[int, int] | None,
+        uneven: str,
+        copies: bool,
+    ) -> None:
+        self._dataset = dataset
+        self._workers = max(workers, 1)
+        self._ranks = ranks
+        self._uneven = uneven
+        self._copies = copies
+        self._made: dict[int, Any] = {}
+
+    def dataset(self, worker: int) -> Any:
+        """Worker ``worker``'s dataset (its ``get_worker_info().dataset``), made on first use."""
+        if worker not in self._made:
+            self._made[worker] = self._make(worker)
+        return self._made[worker]
+
+    def _make(self, worker: int) -> Any:
+        dataset = self._dataset
+        if isinstance(dataset, IterDataPipe):
+            rank, size = (0, 1) if self._ranks is not None else dist_settings()
+            with _DATAPIPE_GRAPH:
+                if self._copies:
+                    dataset = copy.deepcopy(dataset)
+                torch.utils.data.graph_settings.apply_sharding(
+                    dataset, size * self._workers, worker * size + rank
+                )
+            return dataset
+        return copy.copy(dataset) if self._copies else dataset
+
+    def stream(self, worker: int) -> Any:
+        """What worker ``worker`` iterates for an epoch."""
+        dataset = self.dataset(worker)
+        if self._ranks is None:
+            return dataset
+        return RankShard(dataset, *self._ranks, self._uneven)
+
+
+def dist_settings() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one (torch's
+    ``_get_distributed_settings``, which decides how its loader shards a datapipe)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

@@ -156,17 +156,21 @@ def worker_starter(
     num_workers: int,
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
+    copies: Callable[[int], Any] | None = None,
 ) -> Callable[[int], None]:
     """The ``on_start`` of a worker pool: single-threaded kernels (:func:`single_threaded_kernels`),
     the thread's WorkerInfo, then ``worker_init_fn``.
 
-    Seeds follow torch (``base_seed + worker_id``), but the global RNGs are *not* reseeded: they
-    are shared by all threads, so reseeding them per worker would only reset everyone's stream.
+    ``WorkerInfo.dataset`` is ``dataset``, or ``copies(worker_id)`` where each worker has its own
+    (an IterableDataset's, see :class:`~torch_spdl.sampling.WorkerStreams`). Seeds follow torch
+    (``base_seed + worker_id``), but the global RNGs are *not* reseeded: they are shared by all
+    threads, so reseeding them per worker would only reset everyone's stream.
     """
 
     def start(worker_id: int) -> None:
         single_threaded_kernels()
-        _thread_state.info = worker_info(dataset, worker_id, num_workers, base_seed, "thread")
+        own = dataset if copies is None else copies(worker_id)
+        _thread_state.info = worker_info(own, worker_id, num_workers, base_seed, "thread")
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
 

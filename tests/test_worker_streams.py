@@ -1,0 +1,260 @@
+"""Streams read once and split once: each worker iterates its own copy of an IterableDataset, a
+split stream gives every rank as many items, and a loader rebuilt from this one's samplers gets
+torch's batches (and a warning). Compared with torch's own DataLoader in one process; the
+multi-process cases are in test_sharing_once.py."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+from torch.utils.data.datapipes.iter import IterableWrapper
+
+import torch_spdl
+from torch_spdl.sampling import RankShard, WorkerStreams, splits_by_rank
+
+N = 30
+
+
+class SelfIterating(tud.IterableDataset):
+    """``__iter__`` returns ``self``, its position kept on ``self``: fine in torch's worker
+    processes, each of which has its own copy."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        self.at, self.step = (0, 1) if info is None else (info.id, info.num_workers)
+        return self
+
+    def __next__(self):
+        if self.at >= self.n:
+            raise StopIteration
+        self.at += self.step
+        return self.at - self.step
+
+
+class SetByWorkerInit(tud.IterableDataset):
+    """torch's documented pattern: ``worker_init_fn`` sets each worker's range on its copy."""
+
+    def __init__(self, start: int = 0, end: int = N) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_range(worker_id: int) -> None:
+    info = tud.get_worker_info()
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start = dataset.start + worker_id * per_worker
+    dataset.end = min(dataset.start + per_worker, dataset.end)
+
+
+def times_ten(x: int) -> int:
+    return x * 10
+
+
+def datapipe():
+    return IterableWrapper(range(N)).sharding_filter().map(times_ten)
+
+
+def items(loader) -> collections.Counter:
+    return collections.Counter(int(x) for batch in loader for x in torch.as_tensor(batch).view(-1))
+
+
+CASES = {
+    "self-iterating": (SelfIterating, {}),
+    "worker_init_fn": (SetByWorkerInit, {"worker_init_fn": split_range}),
+    "datapipe": (datapipe, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 8])
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_each_worker_iterates_its_own_copy_as_torchs_do(case, num_workers, method):
+    if method == "process" and num_workers == 0:
+        pytest.skip("no workers: worker_method does not apply")
+    make, options = CASES[case]
+    options = dict(options, batch_size=4, num_workers=num_workers)
+    want = items(tud.DataLoader(make(), **options))
+    for epoch in range(2):
+        loader = torch_spdl.DataLoader(make(), worker_method=method, **options)
+        assert items(loader) == want, f"epoch {epoch}"
+
+
+def test_the_users_dataset_object_is_left_as_it_was():
+    dataset = SelfIterating()
+    assert sorted(items(torch_spdl.DataLoader(dataset, num_workers=2))) == list(range(N))
+    assert not hasattr(dataset, "at")  # each worker iterated a copy, as torch's processes do
+
+
+def test_worker_info_holds_the_workers_own_copy_for_every_epoch_of_a_persistent_loader():
+    seen = []
+    lock = threading.Lock()
+
+    class Records(SetByWorkerInit):
+        def __iter__(self):
+            with lock:
+                seen.append((tud.get_worker_info().dataset is self, id(self)))
+            return super().__iter__()
+
+    dataset = Records()
+    loader = torch_spdl.DataLoader(dataset, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        assert sorted(int(x) for x in loader) == sorted([*range(N), *range(N)])  # 2 workers
+    assert all(is_own for is_own, _ in seen)
+    copies = {ident for _, ident in seen}
+    assert len(copies) == 2 and id(dataset) not in copies  # one copy per worker, kept
+
+
+class Shared(tud.IterableDataset):
+    """One queue drained by every worker: it opts out of the copies with ``__copy__``."""
+
+    def __init__(self) -> None:
+        self.queue = collections.deque(range(N))
+        self.lock = threading.Lock()
+
+    def __copy__(self):
+        return self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self.lock:
+            if not self.queue:
+                raise StopIteration
+            return self.queue.popleft()
+
+
+def test_a_dataset_that_returns_itself_from_copy_is_shared_by_the_workers():
+    assert sorted(items(torch_spdl.DataLoader(Shared(), num_workers=3))) == list(range(N))
+
+
+# -- splitting by rank -----------------------------------------------------------------------------
+def shard(stream, size, uneven):
+    return [list(RankShard(stream, rank, size, uneven)) for rank in range(size)]
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 6, 7, 11])
+def test_every_rank_gets_as_many_items_of_a_stream(length):
+    stream = list(range(length))
+    padded, dropped = shard(stream, 3, "pad"), shard(stream, 3, "drop")
+    assert len({len(part) for part in padded}) == 1 == len({len(part) for part in dropped})
+    assert len(padded[0]) == -(-length // 3) and len(dropped[0]) == length // 3
+    assert sorted(x for part in dropped for x in part) == stream[: 3 * (length // 3)]
+    assert set(x for part in padded for x in part) == set(stream)  # all of it, some twice
+
+
+def test_a_padded_rank_says_it_repeats():
+    with pytest.warns(RuntimeWarning, match="this rank repeats one of them"):
+        assert list(RankShard(range(4), 2, 3, "pad")) == [2, 3]
+
+
+class Flaky:
+    """A stream whose ``next()`` raises once, at item ``at``, and goes on after it."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at, self.i = n, at, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.i += 1
+        if self.i - 1 == self.at:
+            raise ValueError("flaky")
+        if self.i - 1 > self.n:
+            raise StopIteration
+        return self.i - 1
+
+
+def test_an_error_in_the_stream_keeps_the_rest_of_its_round():
+    rounds = iter(RankShard(Flaky(8, at=4), 1, 2, "drop"))
+    got = []
+    while True:
+        try:
+            got.append(next(rounds))
+        except ValueError:
+            got.append("error")
+        except StopIteration:
+            break
+    assert got == [1, 3, "error", 6, 8]  # 5 and 6 make the round after 3; 4 raised
+
+
+def test_what_is_split_already_is_recognised():
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    hf = datasets.Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=2)
+    split = split_dataset_by_node(hf, rank=0, world_size=2)
+
+    class Declares(SetByWorkerInit):
+        splits_by_rank = True
+
+    assert [splits_by_rank(d) for d in (hf, split, Declares(), datapipe(), SetByWorkerInit())] == [
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+
+
+def test_worker_streams_copy_for_threads_only():
+    dataset = SetByWorkerInit()
+    threads = WorkerStreams(dataset, 2, None, "pad", copies=True)
+    inline = WorkerStreams(dataset, 0, None, "pad", copies=False)
+    assert threads.dataset(0) is not dataset and threads.dataset(0) is threads.dataset(0)
+    assert threads.dataset(0) is not threads.dataset(1)
+    assert inline.dataset(0) is dataset and inline.stream(0) is dataset
+    split = WorkerStreams(dataset, 2, (1, 2), "drop", copies=True).stream(0)
+    assert isinstance(split, RankShard) and (split.rank, split.size, split.uneven) == (1, 2, "drop")
+
+
+# -- a loader rebuilt from this one ----------------------------------------------------------------
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_a_loader_rebuilt_from_its_samplers_gets_torchs_batches_and_a_warning(batch_size):
+    """What accelerate's prepare() does: a torch DataLoader over this loader's batch sampler."""
+
+    def rebuilt(cls):
+        loader = cls(range(N), batch_size=batch_size, shuffle=True, generator=seeded())
+        if batch_size is None:
+            return tud.DataLoader(loader.dataset, sampler=loader.sampler, batch_size=None)
+        return tud.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler)
+
+    def seeded():
+        return torch.Generator().manual_seed(5)
+
+    want = [torch.as_tensor(b).tolist() for b in rebuilt(tud.DataLoader)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        foreign = rebuilt(torch_spdl.DataLoader)
+        got = [torch.as_tensor(b).tolist() for b in foreign]
+        list(foreign)  # a second epoch: no second warning
+    assert got == want
+    messages = [str(w.message) for w in caught if "torch_spdl's engine" in str(w.message)]
+    assert len(messages) == 1 and "accelerator.prepare()" in messages[0]
+
+
+def test_the_loader_itself_never_warns_and_shows_torchs_samplers():
+    loader = torch_spdl.DataLoader(range(N), batch_size=4, shuffle=True)
+    reference = tud.DataLoader(range(N), batch_size=4, shuffle=True)
+    assert isinstance(loader.sampler, tud.RandomSampler)
+    assert type(loader.batch_sampler) is tud.BatchSampler
+    assert loader.batch_sampler.sampler is loader.sampler
+    assert copy.copy(loader.sampler).generator is None  # the same state as torch's
+    assert len(loader) == len(reference) and loader.rank_sampler is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert sorted(x for b in loader for x in b.tolist()) == list(range(N))
