@@ -297,7 +297,7 @@ def test_timeout_raises_torch_error_instead_of_hanging(in_order):
     gate = threading.Event()
     loader = DataLoader(Blocks(gate), num_workers=2, timeout=0.2, in_order=in_order)
     it = iter(loader)
-    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.2 seconds$"):
+    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 0.2 seconds\n"):
         for _ in range(8):
             next(it)
     gate.set()

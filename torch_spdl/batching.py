@@ -32,6 +32,7 @@ class FetchTask:
     """One batch to fetch; ``current`` is what is being read now, for error messages."""
 
     index: Any  # a list of indices with auto-collation, else one index
+    number: int = 0  # its position in the pass (what the failure budget counts by)
     current: Any = None
 
     def describe(self) -> str:
@@ -43,7 +44,8 @@ class FetchTask:
 
 
 def fetch_tasks(index_iter: Iterable[Any]) -> Iterator[FetchTask]:
-    return (FetchTask(index) for index in index_iter)
+    """The pass's batches as tasks, numbered as the pipeline numbers them."""
+    return (FetchTask(index, number) for number, index in enumerate(index_iter))
 
 
 def read_each(dataset: Any, task: FetchTask) -> list[Any]:
@@ -58,7 +60,7 @@ def read_each(dataset: Any, task: FetchTask) -> list[Any]:
     try:
         for index in task.index:
             append(dataset[index])
-    except Exception:
+    except BaseException:
         task.current = index
         raise
     return data
@@ -76,11 +78,10 @@ def batch_fetcher(
     getitems = getattr(dataset, "__getitems__", None)
 
     def fetch(task: FetchTask) -> Any:
+        task.current = task.index  # what it reads (a stuck loader names it), until collate_fn
         if not auto_collation:
-            task.current = task.index
             data = dataset[task.index]
         elif getitems:
-            task.current = task.index
             data = getitems(task.index)
         else:
             data = read_each(dataset, task)
@@ -96,7 +97,9 @@ def tolerant_fetcher(
     """The ``fetch`` stage under a failure budget: :func:`tolerant_batch` over ``__getitem__``."""
     getitems = getattr(dataset, "__getitems__", None)
     steps = [("fetch", dataset.__getitem__)]
-    return lambda task: tolerant_batch(task.index, auto_collation, steps, finish, budget, getitems)
+    return lambda task: tolerant_batch(
+        task.index, auto_collation, steps, finish, budget, task.number, getitems
+    )
 
 
 def tolerant_batch(
@@ -105,10 +108,11 @@ def tolerant_batch(
     steps: Sequence[Step],
     finish: Collate,
     budget: FailureBudget,
+    at: int,
     getitems: Callable[[list[Any]], list[Any]] | None = None,
 ) -> Any:
-    """The batch of the samples of ``index`` that made it through ``steps``; :data:`SKIPPED` if
-    none did.
+    """The batch of the samples of ``index`` (at position ``at`` in the pass) that made it
+    through ``steps``; :data:`SKIPPED` if none did.
 
     ``getitems`` (a dataset's ``__getitems__``), where given, reads the batch at once; if it
     raises, the samples are read one by one through ``steps`` to find out which of them fail.
@@ -118,11 +122,11 @@ def tolerant_batch(
     if getitems and auto_collation:
         try:
             data = getitems(indices)
-            budget.saw(len(indices))
+            budget.saw(len(indices), at)
         except Exception:
             data = None
     if data is None:
-        data = gather(indices, steps, budget)
+        data = gather(indices, steps, budget, at)
     if not data and indices:
         return SKIPPED
     return finish(data if auto_collation else data[0])
@@ -208,6 +212,9 @@ class Assembler:
                     del pending[stale], missing[stale]
             if seq < floor:
                 continue  # a sample of an abandoned epoch
+            if isinstance(value, Failure) and value.item is None:
+                yield seq, value  # not a sample's: the source's own error, in its place
+                continue
             task = _task(value)
             if seq not in pending:
                 pending[seq] = [None] * max(task.size, 1)
@@ -218,18 +225,19 @@ class Assembler:
                 del missing[seq]
                 parts = pending.pop(seq)
                 if self.budget is not None:
-                    parts = self._survivors(parts)
+                    parts = self._survivors(parts, seq - floor)
                 yield seq, _collate(parts, self.auto_collation, self.finish)
 
-    def _survivors(self, parts: list[Any]) -> list[Any]:
-        """The samples that made it through load and preprocess; the others are recorded."""
+    def _survivors(self, parts: list[Any], at: int) -> list[Any]:
+        """The samples that made it through load and preprocess; the others are recorded against
+        the batch's position ``at`` in the pass."""
         survivors = []
         for part in parts:
             if isinstance(part, Failure):
-                self.budget.record(part.item.index, part.stage or "?", part.error())
+                self.budget.record(part.item.index, part.stage or "?", part.error(), at)
             else:
                 survivors.append(part)
-        self.budget.saw(sum(1 for part in parts if _task(part).size))
+        self.budget.saw(sum(1 for part in parts if _task(part).size), at)
         return survivors
 
 
@@ -248,7 +256,7 @@ def _collate(parts: list[Any], auto_collation: bool, finish: Collate) -> Any:
         if not auto_collation:
             return finish(first.value)
         return finish([task.value for task in parts if task.size])
-    except Exception:
+    except BaseException:  # SystemExit in collate_fn too: it fails the batch, not the stream
         return Failure.capture(
             f"in stage 'collate' for the batch of dataset indices {first.batch}", first
         )
@@ -305,23 +313,32 @@ def tolerant_batches(
     drop_last: bool,
     finish: Collate,
     budget: FailureBudget,
+    worker: int = 0,
+    workers: int = 1,
 ) -> Iterator[Any]:
     """torch's ``_IterableDatasetFetcher`` loop, leaving out the items whose ``next()`` raises.
 
+    Worker ``worker`` of ``workers``' ``k``-th batch is item ``worker + k × workers`` of the
+    pass (the pipeline's numbering): what the budget counts its failures against (those of a
+    batch whose every item failed, which is not yielded, count with the next one).
     (A generator is finished once it has raised, so its stream ends there; an iterator object
     may go on, and then the items after the bad one are kept.)
     """
     iterator = iter(dataset)
     size = 1 if batch_size is None else batch_size
+    at = worker
     while True:
-        data, ended = _take(iterator, size, budget)
+        data, ended = _take(iterator, size, budget, at)
         if data and (len(data) == size or not drop_last):
             yield finish(data if batch_size is not None else data[0])
+            at += workers
         if ended:
             return
 
 
-def _take(iterator: Iterator[Any], size: int, budget: FailureBudget) -> tuple[list[Any], bool]:
+def _take(
+    iterator: Iterator[Any], size: int, budget: FailureBudget, at: int
+) -> tuple[list[Any], bool]:
     """Up to ``size`` items that could be read, and whether the stream ended."""
     data: list[Any] = []
     while len(data) < size:
@@ -330,8 +347,8 @@ def _take(iterator: Iterator[Any], size: int, budget: FailureBudget) -> tuple[li
         except StopIteration:
             return data, True
         except Exception as error:
-            budget.record_exception(None, "fetch", error)
+            budget.record_exception(None, "fetch", error, at)
         else:
             data.append(value)
-        budget.saw(1)
+        budget.saw(1, at)
     return data, False

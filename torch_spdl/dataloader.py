@@ -58,6 +58,8 @@ from .sampling import (
     splits_by_rank,
     world,
 )
+from .stall import diagnose as stall_diagnosis
+from .stall import warn as stall_warn
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
@@ -101,6 +103,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       fraction of the samples seen (a float); past it, :class:`~torch_spdl.FailureBudgetExceeded`
       lists them (:mod:`torch_spdl.failures`). ``0`` raises the first error, as torch does.
     - ``stats_interval``: log :meth:`stats` through ``logging`` every so many seconds.
+    - ``stall_warning``: when no batch has come for this many seconds, warn (a
+      :class:`~torch_spdl.stall.StallWarning`, and the loader goes on waiting) with what each
+      stage is on: the dataset indices in flight, for how long, and each thread's stack. A
+      ``timeout`` that expires says the same in its error. Off by default; with workers only.
     - ``worker_method``: ``"thread"``, or ``"process"`` to run the CPU stage (``fetch``, or
       ``preprocess`` with hooks) in ``num_workers`` worker processes, for GIL-bound Python code
       (see :mod:`torch_spdl.processes`). ``"multiprocessing"`` (torch's name) means ``"process"``.
@@ -138,6 +144,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         worker_method: str = "thread",
         max_failures: int | float = 0,
         stats_interval: float | None = None,
+        stall_warning: float | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -211,6 +218,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 f"stats_interval should be a positive number of seconds, got {stats_interval!r}"
             )
         self.stats_interval = stats_interval
+        if stall_warning is not None and not (
+            isinstance(stall_warning, (int, float)) and stall_warning > 0
+        ):
+            raise ValueError(
+                f"stall_warning should be a positive number of seconds, got {stall_warning!r}"
+            )
+        self.stall_warning = stall_warning
         self._stats_probe: StatsProbe | None = None
 
     # -- caching ----------------------------------------------------------------------------------
@@ -402,8 +416,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._clock = ConsumerClock()
         self.stats_probe = StatsProbe(self._clock, self._budget, processes)
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
+        self._stall_warning = loader.stall_warning
+        self._pool: ProcessPool | None = None
         self._pipeline: Pipeline[Any] | None = None
         if self._num_workers == 0:
+            self._inline_at = 0  # the position of the next batch in the pass
             self._inline_stats = StageStats("fetch", "inline", 1, 1)
             self.stats_probe.stages = [self._inline_stats]
             self._fetch = self._inline_fetcher(loader)
@@ -436,14 +453,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         load = hooks.load_from(self._dataset)
         return load if loader._cache is None else cached(load, loader._cache, hooks.load_is_async)
 
-    def _inline_fetcher(self, loader: DataLoader) -> Callable[[Any], Any]:
+    def _inline_fetcher(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
+        """What fetches one batch in the calling thread, given it as a task (numbered by its
+        position in the pass, as the pipeline's are)."""
         hooks = loader._hooks
         if is_iterable(self._dataset):
             batches = self._iterable_worker()(0)  # the batches a worker would make
-            return lambda index: next(batches)
+            return lambda task: next(batches)
         if hooks is None:
-            fetch = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
-            return lambda index: fetch(FetchTask(index))
+            return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
         load = self._load(loader, hooks)
         if hooks.load_is_async:
             load_async = load
@@ -452,24 +470,25 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._budget.enabled:
             return self._tolerant_inline(load, preprocess)
 
-        def fetch(index: Any) -> Any:
+        def fetch(task: FetchTask) -> Any:
             if not self._auto_collation:
-                return self._finish(preprocess(load(index)))
-            return self._finish([preprocess(load(i)) for i in index])
+                return self._finish(preprocess(load(task.index)))
+            return self._finish([preprocess(load(i)) for i in task.index])
 
         return fetch
 
     def _tolerant_inline(
         self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]
-    ) -> Callable[[Any], Any]:
+    ) -> Callable[[FetchTask], Any]:
         steps = [("load", load), ("preprocess", preprocess)]
         auto, finish, budget = self._auto_collation, self._finish, self._budget
-        return lambda index: tolerant_batch(index, auto, steps, finish, budget)
+        return lambda task: tolerant_batch(task.index, auto, steps, finish, budget, task.number)
 
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
         pool = process_pool(self, loader)  # worker processes, or None for worker threads
+        self._pool = pool
         iterable = is_iterable(self._dataset)
         start = (
             pool.start
@@ -596,7 +615,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             try:
                 data = self._next_batch()
             except StopIteration:
-                self._check_budget()  # failures in the last batches count too
+                self._budget.commit_all()  # failures after the last batch of a stream count too
+                self._check_budget()
                 raise
             if self._budget.enabled:
                 self._check_budget()
@@ -617,34 +637,60 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _next_batch(self) -> Any:
         """The next batch from the pipeline, or fetched here when there are no workers."""
         if self._pipeline is None:
-            data = call_timed(self._inline_stats.record(0), self._fetch, self._next_index())
+            task = FetchTask(self._next_index(), self._inline_at)
+            self._inline_at += 1
+            try:
+                data = call_timed(self._inline_stats.record(0), self._fetch, task)
+            finally:
+                self._budget.commit(task.number)  # a raised batch counts too
             if self._transfer is not None and data is not SKIPPED:
                 data = self._transfer(data)  # in the calling thread too, with num_workers=0
             self._report.maybe_log()
             return data
-        deadline = None if not self._timeout else time.monotonic() + self._timeout
+        began = time.monotonic()
+        deadline = None if not self._timeout else began + self._timeout
+        stall = self._stall_warning
+        warn_at = None if stall is None else began + stall
         while True:
             try:
-                data = self._pipeline.get(self._wait_limit(deadline))
+                data = self._pipeline.get(self._wait_limit(deadline, warn_at))
             except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise RuntimeError(
-                        f"DataLoader timed out after {self._timeout} seconds"
+                        f"DataLoader timed out after {self._timeout} seconds\n{self.diagnosis()}"
                     ) from None
+                if warn_at is not None and now >= warn_at:
+                    stall_warn(now - began, stall, self.diagnosis())
+                    warn_at = None  # once per wait
                 self._report.maybe_log()
                 continue
-            finally:
-                self._pass.delivered(self._pipeline.last_index)  # a raised batch counts too
+            finally:  # a raised batch counts too
+                self._pass.delivered(self._pipeline.last_index)
+                self._budget.commit(self._pipeline.last_index)
             self._report.maybe_log()
             return data
 
-    def _wait_limit(self, deadline: float | None) -> float | None:
-        """How long the next wait may last: until the timeout, or the next periodic report."""
+    def _wait_limit(self, *ends: float | None) -> float | None:
+        """How long the next wait may last: until the first of ``ends`` (the timeout, a stall
+        warning) or the next periodic report."""
+        now = time.monotonic()
+        limits = [max(0.0, end - now) for end in ends if end is not None]
         report = self._report.wait_limit()
-        if deadline is None:
-            return report
-        left = max(0.0, deadline - time.monotonic())
-        return left if report is None else min(report, left)
+        if report is not None:
+            limits.append(report)
+        return min(limits, default=None)
+
+    def diagnosis(self) -> str:
+        """What each stage is on now, the oldest first, with each thread's (or worker
+        process's) stack: why no batch comes (:mod:`torch_spdl.stall`)."""
+        if self._pipeline is None:
+            return "No worker threads: the loop's own thread loads the data."
+        pool = self._pool
+        return stall_diagnosis(
+            self._pipeline.in_flight(),
+            pool.stack if pool is not None else lambda thread: None,
+        )
 
     def __next__(self) -> Any:
         try:
@@ -698,6 +744,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # A persistent iterator outlives a process group coming up: read the sampler anew.
         self._index_sampler = loader._index_sampler
         self._budget.reset()  # the budget is per pass
+        self._inline_at = 0
         super()._reset(loader, first_iter)
         self._pass = resume.start_pass(self, loader, None, prime=self._num_workers > 0)
         if self._pipeline is None or first_iter:

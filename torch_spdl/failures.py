@@ -6,6 +6,12 @@ dataset that is half unreadable. With a budget, a sample whose ``load``/``prepro
 counted; once the count goes past the budget the consumer gets :class:`FailureBudgetExceeded`
 listing what failed. ``max_failures=0`` (the default) keeps torch's behaviour: the first error is
 raised as it is.
+
+Workers run ahead of the training loop, so failures are counted in the order batches reach it:
+each is recorded against its batch's position in the pass and counted when that batch is
+delivered (:meth:`FailureBudget.commit`). The batches delivered before the one that breaks the
+budget are those ``num_workers=0`` would deliver; failures in batches prefetched but never
+delivered never count.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("torch_spdl")
@@ -58,11 +64,21 @@ def check_max_failures(value: Any) -> int | float:
     return value
 
 
-class FailureBudget:
-    """Thread-safe count of samples seen and failures skipped in one pass.
+@dataclass
+class _Batch:
+    """What one batch of the pass saw and skipped, until it is delivered."""
 
-    A float budget allows ``ceil(max_failures × samples seen)`` failures, so the first failure is
-    tolerated even before many samples have been seen, and the allowance grows with the pass.
+    seen: int = 0
+    failures: list[SampleFailure] = field(default_factory=list)
+
+
+class FailureBudget:
+    """Thread-safe count of samples seen and failures skipped in one pass, in delivery order.
+
+    Workers record against a batch's position in the pass (``at``); the consumer commits a
+    position as it delivers that batch, and only committed counts decide. A float budget allows
+    ``ceil(max_failures × samples seen)`` failures, so the first failure is tolerated even before
+    many samples have been seen, and the allowance grows with the pass.
     """
 
     def __init__(self, max_failures: int | float) -> None:
@@ -80,20 +96,41 @@ class FailureBudget:
             self.seen = 0
             self.failures: list[SampleFailure] = []
             self.exceeded = False
+            self._pending: dict[int, _Batch] = {}
 
-    def saw(self, samples: int) -> None:
+    def saw(self, samples: int, at: int) -> None:
         with self._lock:
-            self.seen += samples
+            self._pending.setdefault(at, _Batch()).seen += samples
 
-    def record(self, index: Any, stage: str, error: str) -> None:
-        """Count a skipped sample and log it (once: each failure is recorded once)."""
-        failure = SampleFailure(index, stage, error)
+    def record(self, index: Any, stage: str, error: str, at: int) -> None:
+        """A skipped sample of the batch at position ``at``; counted when it is delivered."""
         with self._lock:
-            self.failures.append(failure)
-        logger.warning("torch_spdl skipped %s", failure)
+            self._pending.setdefault(at, _Batch()).failures.append(
+                SampleFailure(index, stage, error)
+            )
 
-    def record_exception(self, index: Any, stage: str, error: BaseException) -> None:
-        self.record(index, stage, f"{type(error).__name__}: {error}")
+    def record_exception(self, index: Any, stage: str, error: BaseException, at: int) -> None:
+        self.record(index, stage, f"{type(error).__name__}: {error}", at)
+
+    def commit(self, at: int | None) -> None:
+        """The batch at position ``at`` reached the consumer (or raised there): its counts count,
+        and its skipped samples are logged (once: each batch is delivered once)."""
+        with self._lock:
+            batch = self._pending.pop(at, None) if at is not None else None
+            if batch is None:
+                return
+            self.seen += batch.seen
+            self.failures += batch.failures
+        for failure in batch.failures:
+            logger.warning("torch_spdl skipped %s", failure)
+
+    def commit_all(self) -> None:
+        """The pass is over: what no delivered batch carried counts too (the failures at the
+        end of a stream, after its last batch)."""
+        with self._lock:
+            positions = sorted(self._pending)
+        for at in positions:
+            self.commit(at)
 
     def allowed(self) -> float:
         if isinstance(self.max_failures, float):
@@ -124,8 +161,11 @@ class FailureBudget:
 Step = tuple[str, Callable[[Any], Any]]  # (stage name, function)
 
 
-def gather(indices: Iterable[Any], steps: Sequence[Step], budget: FailureBudget) -> list[Any]:
-    """Run each index through ``steps``; leave out (and record) the samples where one raises."""
+def gather(
+    indices: Iterable[Any], steps: Sequence[Step], budget: FailureBudget, at: int
+) -> list[Any]:
+    """Run each index through ``steps``; leave out (and record, for the batch at position
+    ``at``) the samples where one raises."""
     data = []
     seen = 0
     for index in indices:
@@ -135,11 +175,11 @@ def gather(indices: Iterable[Any], steps: Sequence[Step], budget: FailureBudget)
             try:
                 value = fn(value)
             except Exception as error:
-                budget.record_exception(index, stage, error)
+                budget.record_exception(index, stage, error, at)
                 break
         else:
             data.append(value)
-    budget.saw(seen)
+    budget.saw(seen, at)
     return data
 
 

@@ -31,12 +31,14 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import io
 import multiprocessing
 import os
 import pickle
 import random
+import select
 import signal
 import threading
 import time
@@ -142,6 +144,23 @@ def failed(stage: str, worker: int, description: str | None = None) -> Reply:
     return ERROR, ExceptionWrapper(where=where(stage, description, worker, "process"))
 
 
+_ENDED = object()
+
+
+def attempt(
+    work: Callable[[], Any], stage: str, worker: int, describe: Callable[[], str | None]
+) -> Reply:
+    """``(OK, work())``, or the reply for the exception it raised: every exception fails its item
+    (``SystemExit`` too, which would end a worker of torch's), except Ctrl-C, which reaches the
+    main process too: this worker then exits quietly, as torch's do."""
+    try:
+        return OK, work()
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        return failed(stage, worker, describe())
+
+
 @dataclass
 class FetchJob:
     """No hooks: a batch's indices in, the collated batch out (torch's worker's job)."""
@@ -164,10 +183,7 @@ class FetchJob:
 
     def run(self, index: Any, worker: int) -> Reply:
         task = FetchTask(index)
-        try:
-            return OK, self._fetch(task)
-        except Exception:
-            return failed(self.stage, worker, task.describe())
+        return attempt(lambda: self._fetch(task), self.stage, worker, task.describe)
 
 
 @dataclass
@@ -187,10 +203,8 @@ class PreprocessJob:
 
     def run(self, request: tuple[Any, Any], worker: int) -> Reply:
         index, raw = request
-        try:
-            return OK, self.preprocess(raw)
-        except Exception:
-            return failed(self.stage, worker, SampleTask(index, 0, 1).describe())
+        describe = SampleTask(index, 0, 1).describe
+        return attempt(lambda: self.preprocess(raw), self.stage, worker, describe)
 
 
 @dataclass
@@ -212,28 +226,42 @@ class IterableJob:
 
     def reset(self, worker: int) -> Reply:
         self._batches = None
-        try:
-            self._batches = IterableBatches(
-                self.streams.stream(worker),
-                self.auto_collation,
-                self.collate_fn,
-                self.drop_last,
-                self.batch_size,
-            )
-        except Exception:
-            return failed(self.stage, worker)
+        args = (self.auto_collation, self.collate_fn, self.drop_last, self.batch_size)
+        status, payload = attempt(
+            lambda: IterableBatches(self.streams.stream(worker), *args),
+            self.stage,
+            worker,
+            lambda: None,
+        )
+        if status == ERROR:
+            return status, payload
+        self._batches = payload
         return READY, None
 
     def run(self, request: None, worker: int) -> Reply:
-        try:
-            return OK, next(self._batches)
-        except StopIteration:
-            return END, None
-        except Exception:
-            return failed(self.stage, worker)
+        status, payload = attempt(
+            lambda: next(self._batches, _ENDED), self.stage, worker, lambda: None
+        )
+        return (END, None) if payload is _ENDED else (status, payload)
 
 
 Job = FetchJob | PreprocessJob | IterableJob
+
+
+STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
+"""Asks a worker process for its Python stack (:func:`faulthandler.register`): what a stuck
+loader's diagnosis shows of it (:meth:`ProcessPool.stack`)."""
+
+_stack_pipe: Any = None  # the worker's end: faulthandler writes to it, so it must stay open
+
+
+def _write_stack_on_request(pipe: connection.Connection | None) -> None:
+    """In a worker process: write every thread's stack to ``pipe`` on :data:`STACK_SIGNAL`."""
+    global _stack_pipe
+    if pipe is None or STACK_SIGNAL is None or not hasattr(faulthandler, "register"):
+        return
+    _stack_pipe = pipe
+    faulthandler.register(STACK_SIGNAL, file=pipe.fileno(), all_threads=True, chain=False)
 
 
 def _worker_main(
@@ -243,12 +271,14 @@ def _worker_main(
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
     conn: connection.Connection,
+    stack_pipe: connection.Connection | None,
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone."""
     try:
         set_worker_signal_handlers()
         set_thread_name("pt_data_worker")
+        _write_stack_on_request(stack_pipe)
         status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
         conn.send_bytes(dumps((status, payload)))
         if status == READY:
@@ -279,7 +309,9 @@ def _start_worker(
     try:
         if worker_init_fn is not None:
             worker_init_fn(worker)
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
         where = f"in the start of stage {job.stage!r} (worker process {worker})"
         return ERROR, ExceptionWrapper(where=where)
     return READY, None
@@ -329,19 +361,32 @@ class _Worker:
     id: int
     process: Any
     conn: connection.Connection
+    then: str  # what happens after it dies, for the error message
+    stacks: connection.Connection | None  # where it writes its stack when asked
     lock: threading.RLock = field(default_factory=threading.RLock)
+    dead: bool = False
+
+    def close(self) -> None:
+        """Close our ends of its pipes (it then exits, if it has not)."""
+        with self.lock:  # its thread has left its exchange and will start no other
+            self.conn.close()
+            if self.stacks is not None:
+                self.stacks.close()
 
     def died(self) -> RuntimeError:
+        """The error for its death; it is replaced before its next task (:meth:`ProcessPool
+        ._current`)."""
+        self.dead = True
         self.process.join(SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         code = self.process.exitcode
         text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
         if code is None:
-            return RuntimeError(f"{text}: it closed its pipe and is still running")
+            return RuntimeError(f"{text}: it closed its pipe and is still running; {self.then}")
         text += f" with exit code {code}"
         if code < 0:
             with contextlib.suppress(ValueError):  # not a signal this platform names
                 text += f" (killed by signal {signal.Signals(-code).name})"
-        return RuntimeError(text)
+        return RuntimeError(f"{text}; {self.then}")
 
 
 def _start_process(
@@ -353,27 +398,37 @@ def _start_process(
     worker_init_fn: Callable[[int], None] | None,
 ) -> _Worker:
     ours, theirs = context.Pipe()
+    stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
     # Processes forked later (our other workers included) must not hold our end: then a worker
     # reads EOF when the main process closes it or dies, and we get EPIPE when a worker is gone.
-    util.register_after_fork(ours, connection.Connection.close)
+    for end in (ours, stacks):
+        if end is not None:
+            util.register_after_fork(end, connection.Connection.close)
     process = context.Process(
         target=_worker_main,
-        args=(job, worker, num_workers, base_seed, worker_init_fn, theirs),
+        args=(job, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
         name=f"torch_spdl-{job.stage}-{worker}",
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
     try:
         process.start()
-    except (TypeError, AttributeError, pickle.PicklingError) as error:
-        ours.close()
-        _explain_pickling(context, error)
-        raise
-    except BaseException:
-        ours.close()
+    except BaseException as error:
+        for end in (ours, stacks):
+            if end is not None:
+                end.close()
+        if isinstance(error, (TypeError, AttributeError, pickle.PicklingError)):
+            _explain_pickling(context, error)
         raise
     finally:
-        theirs.close()  # the worker has its own copy now
-    return _Worker(worker, process, ours)
+        for end in (theirs, stack_pipe):  # the worker has its own copies now
+            if end is not None:
+                end.close()
+    then = (
+        "its stream ends for this epoch, and a new worker process starts its stream next epoch"
+        if isinstance(job, IterableJob)
+        else "a new worker process takes over its next tasks"
+    )
+    return _Worker(worker, process, ours, then, stacks)
 
 
 def start_context(requested: Any) -> Any:
@@ -441,8 +496,18 @@ class _Processes:
         util.register_after_fork(self.wake, connection.Connection.close)
         util.register_after_fork(self._waker, connection.Connection.close)
         self.closing = False
+        self.broken: BaseException | None = None  # why a dead worker could not be replaced
         self._lock = threading.Lock()
         self._owner = os.getpid()
+
+    def replace(self, old: _Worker, new: _Worker) -> bool:
+        """Put ``new`` in ``old``'s place; False if the pool is closing (then ``new`` is not
+        in it, and the caller must stop it)."""
+        with self._lock:
+            if self.closing:
+                return False
+            self.workers[self.workers.index(old)] = new
+            return True
 
     def close(self) -> None:
         """Wake every waiting thread, close the pipes (each worker then exits), join the processes
@@ -455,8 +520,7 @@ class _Processes:
             self.closing = True
         self._waker.send_bytes(b"")  # readable from now on: no thread waits on a worker again
         for worker in self.workers:
-            with worker.lock:  # its thread has left its exchange and will start no other
-                worker.conn.close()
+            worker.close()
         deadline = time.monotonic() + SHUTDOWN_GRACE
         for worker in self.workers:
             worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -504,11 +568,13 @@ class ProcessPool:
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
         context = start_context(context)
+        self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
+        self._spawn: Callable[[int], _Worker] = lambda worker: _start_process(
+            context, job, worker, num_workers, base_seed, worker_init_fn
+        )
         try:
             for worker in range(num_workers):
-                self._processes.workers.append(
-                    _start_process(context, job, worker, num_workers, base_seed, worker_init_fn)
-                )
+                self._processes.workers.append(self._spawn(worker))
         except BaseException:
             self.close()
             raise
@@ -523,17 +589,72 @@ class ProcessPool:
         ``worker_init_fn`` is raised here with its type, which makes it fatal, as with threads."""
         worker = self._processes.workers[worker_id]
         self._local.worker = worker
+        self._threads[threading.get_ident()] = worker_id
         with worker.lock:
             status, payload = self._receive(worker)
         if status == ERROR:
             payload.reraise()
 
+    def stack(self, thread: int, wait: float = 1.0, quiet: float = 0.05) -> str | None:
+        """The Python stack of the worker process that thread ``thread`` drives (None if it
+        drives none), as the process writes it when signalled: what arrives within ``wait`` s,
+        until nothing more comes for ``quiet`` s."""
+        worker_id = self._threads.get(thread)
+        if worker_id is None or self._processes.closing:
+            return None
+        worker = self._processes.workers[worker_id]
+        header = f"worker process {worker_id} (pid {worker.process.pid}):\n"
+        if worker.stacks is None:
+            return None
+        try:
+            os.kill(worker.process.pid, STACK_SIGNAL)
+        except (ProcessLookupError, ValueError):
+            return header + "  (it has exited)\n"
+        fd, chunks = worker.stacks.fileno(), []
+        while select.select([fd], [], [], quiet if chunks else wait)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        text = b"".join(chunks).decode(errors="replace")
+        return header + (text or f"  (no stack within {wait} s)\n")
+
     def _check_open(self) -> None:
         if self._processes.closing:
             raise RuntimeError("the DataLoader's worker processes have been shut down")
 
-    def _exchange(self, request: tuple[str, Any]) -> Reply:
+    def _current(self) -> _Worker:
+        """This thread's worker process: a new one in place of one that died (started like the
+        first, ``worker_init_fn`` included). A pool that could not replace one is broken: every
+        later task fails at once, with why (concurrent.futures' BrokenProcessPool)."""
         worker: _Worker = self._local.worker
+        if not worker.dead:
+            return worker
+        self._check_open()
+        if self._processes.broken is not None:
+            raise RuntimeError(
+                f"DataLoader worker process {worker.id} died and could not be replaced"
+            ) from self._processes.broken
+        try:
+            new = self._spawn(worker.id)
+            if not self._processes.replace(worker, new):  # closing: close() ends the dead one
+                new.close()
+                _terminate(new.process)
+                self._check_open()
+            worker.close()  # out of the pool now: reap it
+            _terminate(worker.process)
+            with new.lock:
+                status, payload = self._receive(new)
+            if status == ERROR:
+                payload.reraise()
+        except BaseException as error:
+            self._processes.broken = error
+            raise
+        self._local.worker = new
+        return new
+
+    def _exchange(self, request: tuple[str, Any]) -> Reply:
+        worker = self._current()
         with worker.lock:
             self._check_open()
             try:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .failures import FailureBudget, SampleFailure
-from .pipeline import StageReport
-from .pipeline.stats import StageStats
+from .pipeline import InFlight, StageReport
+from .pipeline.stats import StageStats, in_flight
 
 logger = logging.getLogger("torch_spdl")
 
@@ -43,6 +43,7 @@ class LoaderStats:
     skipped: list[SampleFailure] = field(default_factory=list)  # by the failure budget
     bottleneck: str = ""
     suggestion: str = ""
+    in_flight: list[InFlight] = field(default_factory=list)  # what the workers are on, oldest first
 
     def __str__(self) -> str:
         header = (
@@ -60,7 +61,8 @@ class LoaderStats:
             f", samples skipped: {len(self.skipped)}",
             f"bottleneck: {self.bottleneck or '-'}: {self.suggestion}",
         ]
-        return "\n".join([header, *rows, *footer])
+        busy = [f"in flight: {task}" for task in self.in_flight]
+        return "\n".join([header, *rows, *footer, *busy])
 
 
 def diagnose(
@@ -153,7 +155,8 @@ class StatsProbe:
         batches, waiting = self.clock.batches, self.clock.wait_fraction()
         bottleneck, suggestion = diagnose(stages, batches, waiting)
         skipped = list(self.budget.failures)
-        return LoaderStats(stages, batches, waiting, skipped, bottleneck, suggestion)
+        busy = in_flight(self.stages)
+        return LoaderStats(stages, batches, waiting, skipped, bottleneck, suggestion, busy)
 
     def _kind(self, report: StageReport) -> StageReport:
         """A stage whose threads each wait on a worker process is a ``process`` stage: its

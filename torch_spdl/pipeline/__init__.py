@@ -15,13 +15,14 @@ from .items import End, Failure
 from .pipeline import Pipeline
 from .sources import SharedSource, WorkerSource
 from .stages import Stage, Stream
-from .stats import StageReport
+from .stats import InFlight, StageReport
 
 __all__ = [
     "Channel",
     "Closed",
     "End",
     "Failure",
+    "InFlight",
     "Pipeline",
     "SharedSource",
     "Slots",

@@ -35,7 +35,17 @@ class Failure:
         return lines[-1] if lines else self.wrapper.exc_type.__name__
 
     def reraise(self) -> NoReturn:
-        self.wrapper.reraise()
+        """Raise the exception in the consumer's thread, with its type; an exception that is not
+        an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``, ``asyncio.CancelledError``)
+        becomes a ``RuntimeError`` saying what it was, as torch's loader turns a worker that one
+        ended into a RuntimeError: raised as itself it would end the training loop instead."""
+        wrapper = self.wrapper
+        if not issubclass(wrapper.exc_type, Exception):
+            raise RuntimeError(
+                f"Caught {wrapper.exc_type.__name__} {wrapper.where}, which fails this item (in "
+                f"torch's loader it would end a worker process).\nOriginal {wrapper.exc_msg}"
+            )
+        wrapper.reraise()
         raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -20,7 +20,7 @@ from .items import Failure
 from .ordering import EpochEnd, Sink
 from .sources import SharedReader, SharedSource, WorkerSource
 from .stages import AsyncStageRunner, Stage, Stream, map_loop, stream_loop, worker_source_loop
-from .stats import StageReport, StageStats
+from .stats import InFlight, StageReport, StageStats, in_flight
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ class _Runtime:
             raise ValueError(
                 "a numbered source gives several items one seq: a Stream stage must merge them"
             )
-        self.reader = SharedReader(source, self.stop, self.fatal)
+        self.reader = SharedReader(source, self.stop)
         return self.reader, 1, self.reader.release
 
     def _build_worker_source(self, source: WorkerSource) -> tuple[Any, int, Any]:
@@ -122,8 +122,15 @@ class _Runtime:
         if slots is not None:
             slots.release(seq)
 
-    def _stats(self, name: str, kind: str, workers: int, out: Channel) -> StageStats:
-        stats = StageStats(name, kind, workers, out.capacity)
+    def _stats(
+        self,
+        name: str,
+        kind: str,
+        workers: int,
+        out: Channel,
+        describe: Callable[[Any], str] | None = str,
+    ) -> StageStats:
+        stats = StageStats(name, kind, workers, out.capacity, describe)
         self.stats.append(stats)
         return stats
 
@@ -136,12 +143,12 @@ class _Runtime:
         if stage.is_async:
             self._starting += 1
             out = self._channel(2 * stage.concurrency, producers=1)
-            stats = self._stats(stage.name, "async", stage.concurrency, out)
+            stats = self._stats(stage.name, "async", stage.concurrency, out, stage.describe)
             runner = AsyncStageRunner(stage, upstream, out, self, stats)
             self.threads.extend(runner.threads(f"{self.name}:{stage.name}"))
             return out, producers
         out = self._channel(2 * stage.concurrency, producers=stage.concurrency)
-        stats = self._stats(stage.name, "thread", stage.concurrency, out)
+        stats = self._stats(stage.name, "thread", stage.concurrency, out, stage.describe)
         self._starting += stage.concurrency
         for worker in range(stage.concurrency):
             name = f"{stage.name}:{worker}"
@@ -290,6 +297,10 @@ class Pipeline(Generic[T]):
     def stats(self) -> list[StageReport]:
         """Per-stage figures since the pipeline started, in data-flow order (a snapshot)."""
         return [stats.report() for stats in self.stage_stats]
+
+    def in_flight(self) -> list[InFlight]:
+        """What the stages' workers are on now, the oldest first: what a stuck pipeline names."""
+        return in_flight(self.stage_stats)
 
     @property
     def stage_stats(self) -> list[StageStats]:

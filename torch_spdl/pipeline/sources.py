@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .channel import Closed, Stopped, StopSignal
-from .items import End
+from .items import End, Failure
 
 
 class SharedSource:
@@ -68,10 +68,9 @@ class SharedReader:
     starts with the full budget: seqs of an abandoned epoch no longer count against it.
     """
 
-    def __init__(self, source: SharedSource, stop: StopSignal, fatal: Callable[[str], None]):
+    def __init__(self, source: SharedSource, stop: StopSignal) -> None:
         self._source = source
         self._stop = stop
-        self._fatal = fatal
         # Re-entrant: setting the stop signal from inside get() (a failing sampler) calls back
         # into _wake_all on this same thread. Two conditions on the one lock, so a released slot
         # wakes the thread waiting for budget and never one waiting for its turn: that one would
@@ -156,10 +155,8 @@ class SharedReader:
             item = next(self._iterator)
         except StopIteration:
             return self._end_epoch()
-        except Exception:
-            self._iterator = None
-            self._fatal("in the source (sampler) of the pipeline")
-            raise Stopped from None
+        except BaseException:
+            return self._failed(epoch)
         local, value = item if self._source.numbered else (None, item)
         if self._source.numbered and local == self._last_local:
             return self._next_seq - 1, value
@@ -168,6 +165,18 @@ class SharedReader:
         self._last_local = local
         self._next_seq += 1
         return self._next_seq - 1, value
+
+    def _failed(self, epoch: int) -> tuple[int, Any] | None:
+        """The source raised: its error becomes an item after the ones it gave before, which
+        reach the consumer first (in input order), and the epoch ends after it, as a sampler's
+        iterator ends once it has raised."""
+        failure = Failure.capture("in the source (sampler) of the pipeline")
+        self._iterator = iter(())
+        if not self._wait_for_budget(epoch):
+            return None
+        self._last_local = object()
+        self._next_seq += 1
+        return self._next_seq - 1, failure
 
     def _wait_for_budget(self, epoch: int) -> bool:
         """Take one in-flight slot; False if the epoch changed meanwhile."""

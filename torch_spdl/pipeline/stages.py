@@ -16,13 +16,14 @@ import inspect
 import itertools
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .channel import Channel, Closed, Slots, Stopped, StopSignal
 from .items import End, Failure, is_control
-from .stats import StageStats, WorkerRecord, call_timed
+from .stats import InFlight, StageStats, WorkerRecord, call_timed
 
 Item = tuple[int, Any]
 
@@ -119,7 +120,7 @@ def run_on_start(stage: Stage | Any, worker: int, runtime: Runtime) -> bool:
     try:
         if stage.on_start is not None:
             stage.on_start(worker)
-    except Exception:
+    except BaseException:  # SystemExit too: a thread that died silently would hang the loader
         runtime.fatal(f"in the start of stage {stage.name!r} (worker thread {worker})")
         return False
     finally:
@@ -135,12 +136,13 @@ def map_loop(
         if not run_on_start(stage, worker, runtime):
             return
         fn, record = stage.fn, stats.record(worker)
+        record.thread = threading.get_ident()
         while True:
             seq, value = upstream.get()
             if not is_control(value):
                 try:
                     value = call_timed(record, fn, value)
-                except Exception:
+                except BaseException:  # SystemExit too: it fails the item, not the thread
                     value = Failure.capture(stage.where(value, worker), value, stage.name)
             if record.samples_cpu():  # one item in 8 here too: the fill is a mean anyway
                 record.filled(len(out))
@@ -183,10 +185,22 @@ def stream_loop(
             record.filled(len(out))
     except Stopped:
         pass
-    except Exception:
+    except BaseException:
         runtime.fatal(f"in stage {stage.name!r}")
     finally:
         out.close()
+
+
+def _await_chain(coro: Any) -> traceback.StackSummary:
+    """Where a suspended coroutine is: its frame, then each coroutine (or generator) it awaits."""
+    frames = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame, frame.f_lineno))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return traceback.StackSummary.extract(frames)
 
 
 class AsyncStageRunner:
@@ -207,8 +221,21 @@ class AsyncStageRunner:
         self.loop = asyncio.new_event_loop()
         self.slots = Slots(stage.concurrency, runtime.stop)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.started: dict[asyncio.Task[None], tuple[Any, float]] = {}  # calls in flight
         self.fed_all = False
         runtime.stop.on_set(lambda: self._call_in_loop(self._cancel_all))
+        stats.live = functools.partial(self.in_flight, stats)
+
+    def in_flight(self, stats: StageStats) -> list[InFlight]:
+        """Its calls in flight, each with its coroutine's stack (read from another thread: a
+        snapshot for a diagnosis, good enough for a task that is stuck)."""
+        now = time.perf_counter()
+        out = []
+        for task, (value, started) in list(self.started.items()):
+            stack = "".join(traceback.format_list(_await_chain(task.get_coro())))
+            what, age = stats.what(value), now - started
+            out.append(InFlight(stats.name, 0, what, age, None, stack or None))
+        return out
 
     def threads(self, name: str) -> list[threading.Thread]:
         return [
@@ -252,12 +279,18 @@ class AsyncStageRunner:
     async def _handle(self, seq: int, value: Any) -> None:
         if not is_control(value):
             start = time.perf_counter()
+            task = asyncio.current_task()
+            self.started[task] = (value, start)
             try:
                 value = await self.stage.fn(value)
             except asyncio.CancelledError:
-                raise
-            except Exception:
+                if self.runtime.stop.is_set():
+                    raise  # we cancelled it: the pipeline is stopping
                 value = Failure.capture(self.stage.where(value), value, self.stage.name)
+            except BaseException:
+                value = Failure.capture(self.stage.where(value), value, self.stage.name)
+            finally:
+                self.started.pop(task, None)
             # time in flight, not on a CPU: the loop thread's CPU time is shared by every task
             self.record.add(time.perf_counter() - start, None, isinstance(value, Failure))
         self.out.put((seq, value))
@@ -302,10 +335,12 @@ def worker_source_loop(
         if not run_on_start(source, worker, runtime):
             return
         record = stats.record(worker)
+        record.thread = threading.get_ident()
+        reading = f"the next item of worker {worker}'s iterator"
         while True:
             epoch, base = inbox.get()
             seqs = itertools.count(base + worker, source.workers)
-            for value in _timed(_guarded(source, worker), record, _is_failure):
+            for value in _timed(_guarded(source, worker), record, _is_failure, current=reading):
                 if not inbox.empty() or (slots is not None and not slots.acquire(epoch)):
                     break  # a new epoch began: abandon this one, as torch resets its workers
                 out.put((next(seqs), value))
@@ -325,17 +360,22 @@ def _timed(
     record: WorkerRecord,
     failed: Callable[[Any], bool],
     waited: list[float] | None = None,
+    current: str | None = None,
 ) -> Iterator[Any]:
     """Iterate, adding the wall and CPU time each ``next()`` took (less what ``waited`` grew by
-    meanwhile: time spent waiting upstream) to ``record``, as failed where ``failed(value)``."""
+    meanwhile: time spent waiting upstream) to ``record``, as failed where ``failed(value)``;
+    ``current`` names what each ``next()`` is doing, for a stuck loader's diagnosis."""
     waited = waited or [0.0, 0.0]
     while True:
         start, cpu = time.perf_counter(), time.thread_time()
         wall_before, cpu_before = waited
+        record.started, record.current = start, current
         try:
             value = next(iterator)
         except StopIteration:
             return
+        finally:
+            record.current = None
         seconds = time.perf_counter() - start - (waited[0] - wall_before)
         record.add(seconds, time.thread_time() - cpu - (waited[1] - cpu_before), failed(value))
         yield value
@@ -355,13 +395,14 @@ def _guarded(source: Any, worker: int) -> Iterator[Any]:
     where = f"in stage {source.name!r} (worker thread {worker})"
     try:
         iterator = iter(source.fn(worker))
-    except Exception:
+    except BaseException:  # SystemExit too: it fails the stream, not the thread
         yield Failure.capture(where)
         return
     while True:
         try:
-            yield next(iterator)
+            value = next(iterator)
         except StopIteration:
             return
-        except Exception:
-            yield Failure.capture(where)
+        except BaseException:
+            value = Failure.capture(where)
+        yield value  # outside the try: a GeneratorExit here is this generator's own closing

@@ -21,11 +21,27 @@ CPU_EVERY = 8  # CPU time is read for one task in 8: time.thread_time is a ~1 µ
 
 
 class WorkerRecord:
-    """What one worker thread of a stage has done; written by that thread only."""
+    """What one worker thread of a stage has done, and what it is doing now (``current`` since
+    ``started``, on thread ``thread``: what a stuck loader names); written by that thread only."""
 
-    __slots__ = ("done", "failed", "busy", "cpu", "sampled", "recent", "fill", "fills")
+    __slots__ = (
+        "done",
+        "failed",
+        "busy",
+        "cpu",
+        "sampled",
+        "recent",
+        "fill",
+        "fills",
+        "current",
+        "started",
+        "thread",
+    )
 
     def __init__(self) -> None:
+        self.current: Any = None
+        self.started = 0.0
+        self.thread: int | None = None
         self.done = 0
         self.failed = 0
         self.busy = 0.0  # seconds spent in the stage function
@@ -55,6 +71,22 @@ class WorkerRecord:
 
 
 @dataclass(frozen=True)
+class InFlight:
+    """A task a stage's worker has been on for ``age`` seconds: what a stuck loader names."""
+
+    stage: str
+    worker: int
+    what: str  # the item, as the stage names it in errors ("dataset indices [8, 9]")
+    age: float
+    thread: int | None  # the thread running it, for its stack
+    stack: str | None = None  # where it is, where that is known without the thread (a coroutine)
+
+    def __str__(self) -> str:
+        who = f"worker thread {self.worker}" if self.thread is not None else "event loop"
+        return f"stage {self.stage!r}, {who}: {self.what}, for {self.age:.1f} s"
+
+
+@dataclass(frozen=True)
 class StageReport:
     """One stage's figures since its pipeline started (or since :meth:`StageStats.reset`)."""
 
@@ -75,12 +107,38 @@ class StageReport:
 class StageStats:
     """The records of one stage's workers, and the capacity of the channel it writes to."""
 
-    def __init__(self, name: str, kind: str, workers: int, capacity: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        workers: int,
+        capacity: int,
+        describe: Callable[[Any], str] | None = None,
+    ) -> None:
         self.name = name
         self.kind = kind
         self.workers = workers
         self.capacity = capacity
+        self.describe = describe
+        self.live: Callable[[], list[InFlight]] | None = None  # an async stage's own account
         self.reset()
+
+    def what(self, value: Any) -> str:
+        return self.describe(value) if self.describe is not None else "an item"
+
+    def in_flight(self) -> list[InFlight]:
+        """The tasks its workers are on now (a snapshot: each read is of one worker's own)."""
+        if self.live is not None:
+            return self.live()
+        now = time.perf_counter()
+        out = []
+        for worker, record in enumerate(self.records):
+            current, started = record.current, record.started
+            if current is None:
+                continue
+            what, age = self.what(current), now - started
+            out.append(InFlight(self.name, worker, what, age, record.thread))
+        return out
 
     def reset(self) -> None:
         self.records = [WorkerRecord() for _ in range(self.workers)]
@@ -112,6 +170,12 @@ class StageStats:
         )
 
 
+def in_flight(stages: list[StageStats]) -> list[InFlight]:
+    """What the workers of ``stages`` are on now, the oldest first."""
+    tasks = [task for stats in stages for task in stats.in_flight()]
+    return sorted(tasks, key=lambda task: -task.age)
+
+
 def _share(part: float, whole: float) -> float:
     return min(1.0, part / whole) if whole > 0 else 0.0
 
@@ -129,10 +193,12 @@ def call_timed(record: WorkerRecord, fn: Callable[[Any], Any], value: Any) -> An
     raises counts as failed."""
     clock = None if record.done % CPU_EVERY else time.thread_time
     start, cpu = time.perf_counter(), clock() if clock else 0.0
+    record.started, record.current = start, value
     failed = True
     try:
         result = fn(value)
         failed = False
     finally:
+        record.current = None
         record.add(time.perf_counter() - start, clock() - cpu if clock else None, failed)
     return result

@@ -1,0 +1,86 @@
+"""Why no batch comes: what a loader that times out (``timeout=``) or stalls (``stall_warning=``)
+says about itself.
+
+A hang is only debuggable from inside: which stage holds the oldest unfinished work, on which
+dataset indices, for how long, and where in the user's code each thread is. The engine records
+what every worker thread is on (:class:`~torch_spdl.pipeline.InFlight`); this module adds each
+thread's Python stack (``sys._current_frames()``), a coroutine's own stack for an async stage,
+and for a worker process its pid and its stack, which the process writes when asked
+(:mod:`faulthandler`, see :meth:`torch_spdl.processes.ProcessPool.stack`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .pipeline import InFlight
+
+INDENT = "    "
+
+
+class StallWarning(UserWarning):
+    """No batch for ``stall_warning`` seconds: the loader goes on waiting, and says why."""
+
+
+def diagnose(in_flight: list[InFlight], process_stack: Callable[[int], str | None]) -> str:
+    """What the stages are on, the oldest first, each with where its thread (or coroutine, or
+    worker process, through ``process_stack(thread id)``) is now."""
+    if not in_flight:
+        return (
+            "No stage is working on an item: the workers are waiting for the sampler, for a "
+            "free in-flight slot, or for a worker to start."
+        )
+    stacks = thread_stacks({task.thread for task in in_flight if task.stack is None})
+    lines = [f"The oldest unfinished work: {in_flight[0]}.", "In flight:"]
+    for task in in_flight:
+        lines.append(f"  {task}")
+        stack = task.stack
+        if stack is None and task.thread in stacks:
+            stack = stacks[task.thread]
+            remote = process_stack(task.thread)
+            if remote is not None:
+                stack += remote
+        if stack:
+            lines += [INDENT + line for line in stack.rstrip("\n").splitlines()]
+    return "\n".join(lines)
+
+
+def thread_stacks(threads: set[int | None]) -> dict[int, str]:
+    """The formatted Python stack of each of ``threads`` (by ident) that is running.
+
+    Only strings leave this function: a frame kept in a local would hold every local of its
+    thread, and ``sys._current_frames()`` includes this function's own frame, a reference cycle
+    that keeps the loader's threads and worker processes alive until the next garbage collection.
+    """
+    frames = sys._current_frames()
+    try:
+        return {
+            ident: "".join(traceback.format_list(_past_bootstrap(frame)))
+            for ident, frame in frames.items()
+            if ident in threads
+        }
+    finally:
+        del frames
+
+
+def _past_bootstrap(frame: Any) -> traceback.StackSummary:
+    """A thread's stack without the frames of ``threading`` that started it."""
+    frames = traceback.extract_stack(frame)
+    start = 0
+    while start < len(frames) and frames[start].filename == threading.__file__:
+        start += 1
+    return traceback.StackSummary.from_list(frames[start:])
+
+
+def warn(waited: float, setting: float, diagnosis: str) -> None:
+    warnings.warn(
+        f"DataLoader has waited {waited:.1f} s for a batch (stall_warning={setting}); it goes on "
+        f"waiting.\n{diagnosis}",
+        StallWarning,
+        stacklevel=4,
+    )
