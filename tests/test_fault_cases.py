@@ -11,7 +11,9 @@ it goes on with the surviving worker, and now and then waits forever), and run w
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
+import re
 import signal
 import sys
 import threading
@@ -99,6 +101,21 @@ class KillsItsWorkerAt(Dataset):
     def __getitem__(self, index):
         if index == self.at and os.getpid() != self.main and first_time(self.marker):
             os.kill(os.getpid(), signal.SIGKILL)
+        return index
+
+
+class SegfaultsAt(Dataset):
+    """A native crash in ``__getitem__`` (a decoder on a malformed file), in a worker only."""
+
+    def __init__(self, at: int = 5):
+        self.at, self.main = at, os.getpid()
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == self.at and os.getpid() != self.main:
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
         return index
 
 
@@ -214,6 +231,17 @@ def test_a_killed_worker_fails_one_batch_and_a_new_one_takes_over(tmp_path):
     assert delivered == [i for i in range(40) if i not in (12, 13)]
     # and the next epoch runs whole on the pool with its new worker
     assert [i for batch in ours for i in batch.tolist()] == list(range(40))
+
+
+def test_a_native_crash_in_a_worker_process_names_the_signal_and_the_indices():
+    loader = DataLoader(
+        SegfaultsAt(5), batch_size=2, num_workers=2, worker_method="process", timeout=TIMEOUT
+    )
+    out, errors = run_to_the_end(loader)
+    assert out == [[0, 1], [2, 3], "error", [6, 7]]
+    message = str(errors[0])
+    assert "(killed by signal SIGSEGV)" in message and "dataset indices [4, 5]" in message
+    assert re.search(r"worker process \d \(pid \d+\) exited unexpectedly", message)
 
 
 def test_an_iterable_workers_death_ends_its_stream_for_the_epoch_only(tmp_path):
