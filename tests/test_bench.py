@@ -18,7 +18,18 @@ from PIL import Image
 from subprocesses import REPO, job_env, run_python
 
 import torch_spdl
-from torch_spdl.bench import data, images, memory, profile, remote, report, strings, targets
+from torch_spdl.bench import (
+    data,
+    images,
+    memory,
+    profile,
+    remote,
+    report,
+    series,
+    strings,
+    targets,
+    training,
+)
 from torch_spdl.bench.measure import Result, Sample, Variant, measure, run_rounds
 
 MIB = 2**20
@@ -183,8 +194,17 @@ def test_loader_cpu_charges_the_work_to_the_worker_threads():
 
 
 # -- results, targets, table, plot ---------------------------------------------------------------
-def fake(workload: str, loader: str, workers: int, rate: float, first: float, pss_mib: float):
-    sample = Sample(rate, first, int(pss_mib * MIB), 64, 64 / rate)
+def fake(
+    workload: str,
+    loader: str,
+    workers: int,
+    rate: float,
+    first: float,
+    pss_mib: float,
+    cpu: float = 0.5,
+    step: float = 0.0,
+):
+    sample = Sample(rate, first, int(pss_mib * MIB), 64, 64 / rate, cpu, step)
     return Result(workload, loader, workers, samples=[sample])
 
 
@@ -202,6 +222,13 @@ def fake_results() -> list[Result]:
         fake("C", "torch", 0, 1000, 0.01, 700),
         fake("C", "torch", 4, 200, 0.5, 2000),
         fake("C", "torch_spdl", 2, 950, 0.02, 720),
+        fake("D", series.ALONE, 0, 3000, 0.01, 400, 0.1, 0.020),
+        fake("D", "torch", 1, 90, 0.7, 600, 1.0, 0.030),
+        fake("D", "torch", 2, 150, 0.7, 700, 1.2, 0.034),
+        fake("D", series.SWAPPED, 2, 120, 0.3, 560, 9.0, 0.054),
+        fake("D", series.SPDL_PROCESS, 2, 140, 0.5, 700, 2.5, 0.036),
+        fake("D", series.TORCH_TENSOR, 2, 200, 0.5, 700, 1.0, 0.030),
+        fake("D", series.SPDL_TENSOR, 2, 260, 0.3, 560, 6.0, 0.022),
     ]
 
 
@@ -221,7 +248,14 @@ def test_targets_are_ratios_of_the_right_loaders():
     assert found["C: speed, torch_spdl (2) / torch (0)"].met  # 0.95
     first = found["C: time to first batch, torch_spdl (2) / torch (4)"]
     assert first.value == pytest.approx(0.04) and first.met
-    assert len(found) == 12
+    assert found["D: speed, torch_spdl (2) / torch (2)"].value == pytest.approx(120 / 150)
+    step = found["D: consumer step, torch_spdl (2) / torch (2)"]
+    assert step.value == pytest.approx(54 / 34) and not step.met  # slower beside the threads
+    cpu = found["D: main-process CPU, torch_spdl process (2) / torch (2)"]
+    assert cpu.value == pytest.approx(2.5 / 1.2) and not cpu.met
+    tensor = found["D: speed, torch_spdl tensor path (2) / torch tensor path (2)"]
+    assert tensor.value == pytest.approx(1.3) and tensor.met  # needs 1.2x
+    assert len(found) == 16
 
 
 def test_table_has_every_column_and_ratios_to_torchs_best():
@@ -232,6 +266,9 @@ def test_table_has_every_column_and_ratios_to_torchs_best():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[3:5] == ["300", f"{300 / 180:.2f}"]  # against torch (2), A's fastest torch
     assert "Medians of 3" in text
+    row = next(line for line in text.splitlines() if "| D | torch_spdl | 2 |" in line)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[9:11] == ["9.00", f"{54 / 20:.2f}"]  # main CPU, step against consumer alone
 
 
 def test_plot_writes_a_png_and_results_round_trip_through_json(tmp_path):
@@ -283,6 +320,44 @@ def test_strings_variants_read_the_whole_list_in_batches_of_512():
         for variant in variants:
             assert measure(variant).samples == 3000  # 5 full batches and one of 440
     assert held == []  # the memory is given back before anything else is measured
+
+
+# -- workload D ----------------------------------------------------------------------------------
+def test_worker_sweep_follows_the_host():
+    assert series.host_workers(2) == (1, 2)
+    assert series.host_workers(16) == (1, 8, 16)
+    assert series.host_workers(1) == (1,)
+
+
+def test_the_training_step_is_calibrated_in_ops_and_runs_them():
+    step = training.calibrate(2.0)
+    assert step.ops >= 1
+    step(None)
+    step(None)
+    assert step.state[0].item() == 2 * step.ops  # each op is one dispatch: nothing skipped
+
+
+def test_training_variants_yield_checked_batches_and_measure_the_consumer(tmp_path, monkeypatch):
+    """Every series of workload D reads the same kind of batch, and a measurement reports the
+    consumer's step and the main process's CPU."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = data.synthetic_imagefolder(data.ImageSpec(images=64, seed=1), progress=lambda m: None)
+    options = series.TrainingOptions(root=root, workers=(1,), batches=1, step_ms=1.0)
+    with training.prepare(options) as variants:
+        assert {v.loader for v in variants} == {
+            series.ALONE,
+            "torch",
+            series.SWAPPED,
+            series.SPDL_PROCESS,
+            series.TORCH_TENSOR,
+            series.SPDL_TENSOR,
+        }
+        for variant in variants:
+            if variant.loader in ("torch", series.SPDL_PROCESS):
+                continue  # worker processes: the same batches, at a second each here
+            sample = measure(variant)  # check_batch asserts the shape and dtype
+            assert sample.samples == images.BATCH and sample.step_s > 0
+            assert sample.main_cpu_s_per_1000 > 0
 
 
 def test_only_the_images_workload_imports_torchvision():

@@ -1,11 +1,13 @@
-"""``python -m torch_spdl.bench``: torch's DataLoader against torch_spdl's, on three workloads.
+"""``python -m torch_spdl.bench``: torch's DataLoader against torch_spdl's, on four workloads.
 
 A: a JPEG ImageFolder decoded, cropped and flipped into uint8 batches (a synthetic ImageNet-like
 one, made once and cached, or ``--data DIR``); B: samples behind a 20 ms HTTP round trip; C: a
-dataset of 2 M Python strings (copy-on-read). Each loader runs once per round, rounds are
-interleaved, and the table gives medians, peak PSS of the process tree and time to first batch,
-with ratios against torch's best loader. Progress goes to stderr, the table and the targets to
-stdout, and ``--out`` receives ``bench.json`` (every measurement) and ``bench.png`` (the plot).
+dataset of 2 M Python strings (copy-on-read); D: A's images feeding a training loop that needs
+the GIL, through the PIL path and a tensor path, at worker counts that follow the host. Each
+loader runs once per round, rounds are interleaved, and the table gives medians, peak PSS of the
+process tree, time to first batch and main-process CPU, with ratios against torch's best loader.
+Progress goes to stderr, the table and the targets to stdout, and ``--out`` receives
+``bench.json`` (every measurement) and ``bench.png`` (the plot).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from . import memory, remote, report, series, strings
 from .measure import Result, Variant, run_rounds
 from .targets import evaluate
 
-WORKLOADS = ("A", "B", "C")
+WORKLOADS = ("A", "B", "C", "D")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Config:
     a: series.ImageOptions  # its root is filled in when the data is ready
     b: remote.Options
     c: strings.Options
+    d: series.TrainingOptions  # its root is filled in when the data is ready
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -63,7 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="batches per measurement, every workload (default A 16, B 128, C the whole set)",
     )
-    parser.add_argument("--workloads", default="A,B,C", help="a comma-separated subset of A,B,C")
+    parser.add_argument(
+        "--workloads", default="A,B,C,D", help="a comma-separated subset of A,B,C,D"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run of under a minute")
     parser.add_argument("--images", type=int, help="synthetic images for A (default 2048)")
     parser.add_argument("--strings", type=int, help="strings in C's dataset (default 2,000,000)")
@@ -76,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     wanted = tuple(w.strip().upper() for w in args.workloads.split(",") if w.strip())
     unknown = [w for w in wanted if w not in WORKLOADS]
     if unknown or not wanted:
-        parser.error(f"--workloads takes a subset of A,B,C, got {args.workloads!r}")
+        parser.error(f"--workloads takes a subset of A,B,C,D, got {args.workloads!r}")
     for name in ("rounds", "batches", "images", "strings"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -114,6 +119,12 @@ def configure(args: argparse.Namespace) -> Config:
             batches=batches or 0,
             torch_workers=(0, 4) if quick else (0, 2, 4),
             spdl_workers=(2,) if quick else (0, 2, 4),
+        ),
+        d=series.TrainingOptions(
+            root=None,
+            workers=series.host_workers(),
+            batches=pick(batches, 16, 2),
+            step_ms=5.0 if quick else 20.0,
         ),
     )
 
@@ -153,6 +164,12 @@ def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]
         with images.prepare(dataclasses.replace(config.a, root=root)) as variants:
             results = run_rounds(variants, config.rounds, say)
             analysis = analyse_images(root, variants, small=config.images < 512, say=say)
+    elif workload == "D":
+        from . import training  # torchvision, as for A
+
+        root = image_root(config, say)
+        with training.prepare(dataclasses.replace(config.d, root=root)) as variants:
+            results = run_rounds(variants, config.rounds, say)
     elif workload == "B":
         with remote.prepare(config.b) as variants:
             results = run_rounds(variants, config.rounds, say)

@@ -42,6 +42,9 @@ class Variant:
     check: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
     exclude_pids: tuple[int, ...] = ()  # processes that are not the loader's (the HTTP server)
     note: str = ""
+    # a training step run on each batch in this thread (workload D): the loader's work is
+    # then measured beside a consumer that needs the GIL, as a training loop does
+    consume: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -60,6 +63,10 @@ class Sample:
     peak_pss_bytes: int
     samples: int
     seconds: float
+    # CPU seconds of this (the main) process per 1,000 samples, the consumer's own steps left
+    # out: what the loader costs the process that trains
+    main_cpu_s_per_1000: float = 0.0
+    step_s: float = 0.0  # the consumer's median step time, where there is a consumer
 
 
 @contextlib.contextmanager
@@ -88,26 +95,36 @@ def measure(variant: Variant) -> Sample:
     wanted = variant.batches or len(loader)
     samples = batches = 0
     first = batch = None
+    steps: list[float] = []
+    step_cpu = 0.0
     with PeakPss(exclude=variant.exclude_pids) as pss:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         iterator = iter(loader)
         for batch in iterator:
             if first is None:
                 first = time.perf_counter() - start
                 if variant.check is not None:
                     variant.check(batch)
+            if variant.consume is not None:
+                step_start, step_thread = time.perf_counter(), time.thread_time()
+                variant.consume(batch)
+                steps.append(time.perf_counter() - step_start)
+                step_cpu += time.thread_time() - step_thread
             samples += variant.count(batch)
             batches += 1
             if batches == wanted:
                 break
         seconds = time.perf_counter() - start
+        main_cpu = time.process_time() - cpu - step_cpu
         pss.read()  # workers still alive and holding what they copied; not timed
         del iterator, batch  # torch joins its workers here
     del loader
     gc.collect()
     if first is None:
         raise RuntimeError(f"{variant.name}: the loader yielded no batch")
-    return Sample(samples / seconds, first, pss.peak, samples, seconds)
+    step = statistics.median(steps) if steps else 0.0
+    cpu_per_1000 = 1000 * main_cpu / samples
+    return Sample(samples / seconds, first, pss.peak, samples, seconds, cpu_per_1000, step)
 
 
 @dataclass
@@ -143,6 +160,16 @@ class Result:
     def peak_pss(self) -> float:
         return self.median("peak_pss_bytes")
 
+    @property
+    def main_cpu(self) -> float:
+        """Main-process CPU seconds per 1,000 samples (median)."""
+        return self.median("main_cpu_s_per_1000")
+
+    @property
+    def step(self) -> float:
+        """The consumer's step time (median of the per-measurement medians); 0 without one."""
+        return self.median("step_s")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
@@ -152,6 +179,8 @@ class Result:
             "median_samples_per_s": self.rate,
             "median_first_batch_s": self.first_batch,
             "median_peak_pss_bytes": self.peak_pss,
+            "median_main_cpu_s_per_1000": self.main_cpu,
+            "median_step_s": self.step,
             "measurements": [asdict(sample) for sample in self.samples],
         }
 
@@ -162,9 +191,11 @@ class Result:
 
 
 def describe(sample: Sample) -> str:
+    step = f", step {sample.step_s * 1000:.1f} ms" if sample.step_s else ""
     return (
         f"{sample.samples_per_s:,.0f} samples/s, first batch {sample.first_batch_s:.3f} s, "
-        f"peak PSS {sample.peak_pss_bytes / 2**20:,.0f} MiB"
+        f"peak PSS {sample.peak_pss_bytes / 2**20:,.0f} MiB, main CPU "
+        f"{sample.main_cpu_s_per_1000:.2f} s/1k{step}"
     )
 
 

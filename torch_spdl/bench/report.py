@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import TORCH, Result
-from .series import PLAIN
+from .series import ALONE, PLAIN
 from .targets import Lookup, Target
 
 COLUMNS = (
@@ -29,17 +29,21 @@ COLUMNS = (
     "× torch",
     "peak PSS (MiB)",
     "× torch",
+    "main CPU s/1k",
+    "step × alone",
     "setting",
 )
 WORKLOAD_TITLES = {
     "A": "A: JPEG decode + RandomResizedCrop + flip",
     "B": "B: HTTP GET, 16 KB, 20 ms latency",
     "C": "C: 2 M Python strings (copy-on-read)",
+    "D": "D: A's images feeding a GIL-bound training step",
 }
 X_LABELS = {
     "A": "num_workers",
     "B": "worker processes (torch) / io_workers (torch_spdl)",
     "C": "num_workers",
+    "D": "num_workers",
 }
 MIB = 2**20
 
@@ -64,11 +68,13 @@ def table(results: Sequence[Result], rounds: int) -> str:
         "of the same workload.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i < 3 or i == 9 else "---:" for i in range(len(COLUMNS))) + "|",
+        "|" + "|".join("---" if i < 3 or i == 11 else "---:" for i in range(len(COLUMNS))) + "|",
     ]
     best = {workload: torch_best(results, workload) for workload in {r.workload for r in results}}
+    find = Lookup(results)
     for result in results:
         ref = best[result.workload]
+        alone = find.at(result.workload, ALONE, 0)
         cells = [
             result.workload,
             result.loader,
@@ -79,6 +85,8 @@ def table(results: Sequence[Result], rounds: int) -> str:
             _ratio(result.first_batch, ref and ref.first_batch),
             f"{result.peak_pss / MIB:,.0f}",
             _ratio(result.peak_pss, ref and ref.peak_pss),
+            f"{result.main_cpu:.2f}",
+            _ratio(result.step, alone and alone.step) if result.step else "",
             result.note,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -133,7 +141,7 @@ def plot(results: Sequence[Result], path: Path) -> None:
         top, bottom = axes[0][column], axes[1][column]
         ticks = sorted({r.workers for r in mine})
         for loader in dict.fromkeys(r.loader for r in mine):
-            if loader == PLAIN:
+            if loader in (PLAIN, ALONE):
                 continue
             series = sorted((r for r in mine if r.loader == loader), key=_workers)
             x = [ticks.index(r.workers) for r in series]

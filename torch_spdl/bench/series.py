@@ -8,12 +8,18 @@ torchvision there would count on both sides of their ratios.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 SWAPPED = "torch_spdl"
 HOOKS = "torch_spdl hooks+fast path"
 PLAIN = "plain loop, 1 thread"
+# workload D's series besides torch's and the swapped import's (SWAPPED)
+SPDL_PROCESS = "torch_spdl process"
+TORCH_TENSOR = "torch tensor path"
+SPDL_TENSOR = "torch_spdl tensor path"
+ALONE = "consumer alone"
 
 
 @dataclass(frozen=True)
@@ -21,3 +27,17 @@ class ImageOptions:
     root: Path | None  # set once the data is there (it may have to be generated first)
     workers: tuple[int, ...]
     batches: int
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    root: Path | None  # workload A's ImageFolder, set once the data is there
+    workers: tuple[int, ...]
+    batches: int
+    step_ms: float  # what one training step costs alone, in Python that holds the GIL
+
+
+def host_workers(cores: int | None = None) -> tuple[int, ...]:
+    """The worker counts a sweep covers on a host of ``cores``: 1, half of them, all of them."""
+    cores = cores or os.cpu_count() or 1
+    return tuple(sorted({1, max(1, cores // 2), cores}))

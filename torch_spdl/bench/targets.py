@@ -145,6 +145,42 @@ def strings_targets(find: Lookup) -> list[Target]:
     return found + [first_batch(spdl, forked)]
 
 
+def step_time(mine: Result, theirs: Result) -> Target:
+    detail = f"{mine.step * 1000:.1f} vs {theirs.step * 1000:.1f} ms per step"
+    ratio = mine.step / theirs.step
+    return Target(versus("consumer step", mine, theirs), ratio, 1.0, False, detail)
+
+
+def main_cpu(mine: Result, theirs: Result) -> Target:
+    detail = f"{mine.main_cpu:.2f} vs {theirs.main_cpu:.2f} CPU s per 1,000 samples"
+    ratio = mine.main_cpu / theirs.main_cpu
+    return Target(versus("main-process CPU", mine, theirs), ratio, 1.0, False, detail)
+
+
+def training_targets(find: Lookup) -> list[Target]:
+    """At torch's best ``num_workers`` on the PIL path: the swapped import's speed and the
+    consumer's step beside it, the process path's main-process CPU; the tensor paths' fastest."""
+    best = find.fastest("D", TORCH)
+    if best is None:
+        return []
+    found: list[Target] = []
+    swapped = find.at("D", series.SWAPPED, best.workers)
+    if swapped is not None:
+        found += [speed(swapped, best, 1.0), step_time(swapped, best)]
+    process = find.at("D", series.SPDL_PROCESS, best.workers)
+    if process is not None:
+        found.append(main_cpu(process, best))
+    tensors, torch_tensors = (
+        find.fastest("D", series.SPDL_TENSOR),
+        find.fastest("D", series.TORCH_TENSOR),
+    )
+    if tensors is not None and torch_tensors is not None:
+        found.append(speed(tensors, torch_tensors, 1.2))
+    return found
+
+
 def evaluate(results: Sequence[Result]) -> list[Target]:
     find = Lookup(results)
-    return images_targets(find) + remote_targets(find) + strings_targets(find)
+    return (
+        images_targets(find) + remote_targets(find) + strings_targets(find) + training_targets(find)
+    )

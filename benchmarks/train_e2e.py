@@ -1,0 +1,216 @@
+"""End to end: a model trained on a JPEG ImageFolder, fed by torch's DataLoader and by torch_spdl's.
+
+What a user meets when they swap the import on a training host: the images per second of the
+whole training loop, the data stall (the share of the loop's time spent waiting in ``next()``),
+the main process's CPU per 1,000 images, and the model-alone limit (the same steps on one
+synthetic batch already on the device) that no loader can beat.
+
+- With a CUDA GPU: ResNet-50, bf16 autocast, channels_last, SGD; batches go to the GPU with
+  ``pin_memory=True`` and ``.to(non_blocking=True)`` for torch, ``device="cuda"`` for torch_spdl.
+- Without one: ResNet-18 on the CPU, the same loop.
+
+The dataset is ``torchvision.datasets.ImageFolder`` with the classic transforms
+(``RandomResizedCrop(224)``, flip, ``PILToTensor``), as an ImageNet script has it, over
+``--data DIR`` or the bench's synthetic ImageNet-like folder. Loaders run in interleaved rounds
+(each round: model alone, then every loader in a rotating order); the table gives medians.
+
+Usage::
+
+    python benchmarks/train_e2e.py [--data DIR] [--workers 15] [--batch-size 256]
+                                   [--steps 60] [--warmup 10] [--rounds 3]
+                                   [--loaders torch,torch_spdl,torch_spdl:process]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data
+import torchvision
+from torchvision import transforms
+
+import torch_spdl
+from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+
+
+@dataclass
+class Run:
+    """One measurement: ``steps`` timed steps after ``warmup`` untimed ones."""
+
+    images_per_s: float
+    stall: float  # share of the timed wall time spent in next()
+    main_cpu_per_1000: float  # CPU s of this process per 1,000 images, the training included
+
+
+class Trainer:
+    """The model, its optimizer and one training step on a uint8 batch already on the device."""
+
+    def __init__(self, device: torch.device, batch_size: int) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        arch = "resnet50" if cuda else "resnet18"
+        model = getattr(torchvision.models, arch)()
+        self.model = model.to(device, memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.dtype = torch.bfloat16 if cuda else None
+        self.mean, self.std = MEAN.to(device), STD.to(device)
+        self.name = f"{arch} on {device.type}"
+        self.batch_size = batch_size
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        x = ((images.float() - self.mean) / self.std).contiguous(memory_format=torch.channels_last)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            loss = torch.nn.functional.cross_entropy(self.model(x), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def timed_steps(
+    trainer: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], warmup: int, steps: int
+) -> Run:
+    """Train on ``warmup + steps`` batches from ``batches``; time the last ``steps``."""
+    waited = 0.0
+    for k in range(warmup + steps):
+        if k == warmup:
+            trainer.sync()
+            start, cpu, waited = time.perf_counter(), time.process_time(), 0.0
+        before = time.perf_counter()
+        images, labels = next(batches)
+        waited += time.perf_counter() - before
+        trainer.step(images, labels)
+    trainer.sync()
+    seconds = time.perf_counter() - start
+    images = steps * trainer.batch_size
+    return Run(images / seconds, waited / seconds, 1000 * (time.process_time() - cpu) / images)
+
+
+def model_alone(trainer: Trainer, warmup: int, steps: int) -> Run:
+    images = torch.randint(0, 256, (trainer.batch_size, 3, 224, 224), dtype=torch.uint8)
+    labels = torch.randint(0, 1000, (trainer.batch_size,))
+    batch = (images.to(trainer.device), labels.to(trainer.device))
+    return timed_steps(trainer, iter(lambda: batch, None), warmup, steps)
+
+
+def loader_batches(
+    name: str, folder: Any, args: argparse.Namespace, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches on ``device`` from the loader called ``name``, epoch after epoch."""
+    common: dict[str, Any] = dict(
+        batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers
+    )
+    cuda = device.type == "cuda"
+    if name == "torch":
+        loader: Any = torch.utils.data.DataLoader(folder, pin_memory=cuda, **common)
+    else:
+        method = name.partition(":")[2] or None
+        extra = {"worker_method": method} if method else {}
+        loader = torch_spdl.DataLoader(folder, device=device if cuda else None, **common, **extra)
+    while True:
+        for images, labels in loader:
+            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
+def rounds(
+    trainer: Trainer, make: dict[str, Callable[[], Iterator[Any]]], args: argparse.Namespace
+) -> dict[str, list[Run]]:
+    """Every loader once per round (the order rotating), with the model alone first."""
+    runs: dict[str, list[Run]] = {"model alone": [], **{name: [] for name in make}}
+    names = list(make)
+    for r in range(args.rounds):
+        runs["model alone"].append(model_alone(trainer, args.warmup, args.steps))
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            batches = make[name]()
+            runs[name].append(timed_steps(trainer, batches, args.warmup, args.steps))
+            batches.close()  # the loader's iterator goes with it: its workers stop
+            say(f"round {r + 1}/{args.rounds} {name}: {describe(runs[name][-1])}")
+    return runs
+
+
+def describe(run: Run) -> str:
+    return (
+        f"{run.images_per_s:,.0f} img/s, stall {100 * run.stall:.1f} %, "
+        f"main CPU {run.main_cpu_per_1000:.2f} s/1k"
+    )
+
+
+def table(runs: dict[str, list[Run]], trainer: Trainer, args: argparse.Namespace) -> str:
+    limit = statistics.median(r.images_per_s for r in runs["model alone"])
+    reference = runs.get("torch")
+    torch_rate = statistics.median(r.images_per_s for r in reference) if reference else None
+    lines = [
+        f"{trainer.name}, batch {args.batch_size}, {args.workers} workers, {args.steps} timed "
+        f"steps, medians of {args.rounds} interleaved rounds; {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
+        "",
+        "| loader | img/s | × torch | % of model alone | data stall | main CPU s/1k img |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, found in runs.items():
+        rate = statistics.median(r.images_per_s for r in found)
+        stall = statistics.median(r.stall for r in found)
+        cpu = statistics.median(r.main_cpu_per_1000 for r in found)
+        ratio = f"{rate / torch_rate:.2f}" if torch_rate else ""
+        lines.append(
+            f"| {name} | {rate:,.0f} | {ratio} | {100 * rate / limit:.0f} % | "
+            f"{100 * stall:.1f} % | {cpu:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", help="an ImageFolder (default: the bench's synthetic one)")
+    parser.add_argument("--images", type=int, default=4096, help="synthetic images if no --data")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--batch-size", type=int, default=None, help="256 on a GPU, 32 on CPU")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loaders", default="torch,torch_spdl,torch_spdl:process")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.batch_size = args.batch_size or (256 if cuda else 32)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    root = args.data or synthetic_imagefolder(ImageSpec(images=args.images), progress=say)
+    transform = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(224),
+            transforms.RandomHorizontalFlip(),
+            transforms.PILToTensor(),
+        ]
+    )
+    folder = torchvision.datasets.ImageFolder(str(root), transform=transform)
+    trainer = Trainer(device, args.batch_size)
+    names = [n.strip() for n in args.loaders.split(",") if n.strip()]
+    make = {name: (lambda name=name: loader_batches(name, folder, args, device)) for name in names}
+    print(table(rounds(trainer, make, args), trainer, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
