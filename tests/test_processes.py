@@ -19,9 +19,12 @@ import signal
 import numpy as np
 import pytest
 import torch
+import torchvision
 from index_datasets import WaitsAt
 from iteration import drain
+from PIL import Image
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
 
 from torch_spdl import DataLoader, StagedDataset, processes
@@ -552,3 +555,47 @@ def test_more_processes_than_cpus_gives_torchs_warning():
 def test_num_workers_zero_loads_in_the_calling_thread():
     loader = ours(Pids(meet=False), batch_size=None)
     assert set(loader) == {os.getpid()}
+
+
+# -- a torchvision folder: read, decoded and collated in the worker, as torch's does ---------------
+@pytest.fixture(scope="module")
+def jpeg_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jpegs")
+    rng = np.random.default_rng(0)
+    for k in range(12):
+        (root / f"class{k % 2}").mkdir(exist_ok=True)
+        pixels = rng.integers(0, 256, size=(24, 20, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / f"class{k % 2}" / f"{k}.jpg")
+    return root
+
+
+def folder_dataset(root):
+    transform = transforms.Compose([transforms.CenterCrop(16), transforms.PILToTensor()])
+    return torchvision.datasets.ImageFolder(str(root), transform=transform)
+
+
+def stage_names(loader):
+    return [stage.name for stage in loader.stats().stages]
+
+
+def test_a_folder_runs_whole_in_the_worker_unless_a_cache_needs_the_split(jpeg_folder):
+    """Split into read and decode, a worker process would get each sample's bytes and send its
+    image back; whole, it sends one batch, as torch's worker does. A cache keeps the bytes read
+    in this process, so it keeps the split."""
+    want = [b.tolist() for b, _ in torchs(folder_dataset(jpeg_folder), batch_size=4)]
+    whole = ours(folder_dataset(jpeg_folder), batch_size=4, num_workers=2)
+    assert [b.tolist() for b, _ in whole] == want
+    assert stage_names(whole) == ["fetch"]
+    cached = ours(folder_dataset(jpeg_folder), batch_size=4, num_workers=2, cache_bytes=2**20)
+    assert [b.tolist() for b, _ in cached] == want
+    assert stage_names(cached)[:2] == ["load", "preprocess"]
+
+
+def test_the_fork_server_preloads_what_a_worker_unpickles(jpeg_folder):
+    job = processes.FetchJob(folder_dataset(jpeg_folder), True, torch.utils.data.default_collate)
+    modules = processes.modules_of(job)
+    assert {"torchvision.datasets.folder", "torchvision.transforms.transforms"} <= set(modules)
+    assert "torch.utils.data._utils.collate" in modules
+    preload = processes._forkserver_preload(modules)
+    assert preload[0] == "__main__" and "torch_spdl.processes" in preload
+    assert set(modules) <= set(preload)

@@ -238,6 +238,23 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             )
         return ByteLRU(self.cache_bytes)
 
+    def _stage_hooks(self, processes: bool) -> Hooks | None:
+        """The hooks an iterator runs. In worker processes, a folder that the loader split by
+        itself runs whole in the worker, as torch's does: the files are read, decoded and
+        collated there and one batch comes back through shared memory, where the split would
+        send every sample's bytes out and its image back. A cache or a failure budget needs the
+        split, and keeps it."""
+        hooks = self._hooks
+        if (
+            processes
+            and hooks is not None
+            and hooks.from_folder
+            and self._cache is None
+            and not self.max_failures
+        ):
+            return None
+        return hooks
+
     def cache_stats(self) -> CacheStats | None:
         """Hits, misses, evictions, items and bytes of the load cache (None without one)."""
         return None if self._cache is None else self._cache.stats()
@@ -403,6 +420,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         processes = uses_processes(loader.worker_method) and self._num_workers > 0
+        self._hooks = loader._stage_hooks(processes)
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
@@ -456,7 +474,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
         """What fetches one batch in the calling thread, given it as a task (numbered by its
         position in the pass, as the pipeline's are)."""
-        hooks = loader._hooks
+        hooks = self._hooks
         if is_iterable(self._dataset):
             batches = self._iterable_worker()(0)  # the batches a worker would make
             return lambda task: next(batches)
@@ -513,7 +531,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 on_start=start,
             )
             return attach(Pipeline(source, self._transfer_stage(), **options), pool)
-        hooks = loader._hooks
+        hooks = self._hooks
         if hooks is None:
             self._make_source = fetch_tasks
             stages: list[Stage | Stream] = [

@@ -59,6 +59,8 @@ class Hooks:
 
     load: Callable[[Any], Any] | None
     preprocess: Callable[[Any], Any]
+    # split by the loader (a torchvision folder), not by the user: ``__getitem__`` does both
+    from_folder: bool = False
 
     @property
     def load_is_async(self) -> bool:
@@ -109,7 +111,7 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
     load = load_fn
     preprocess = preprocess_fn
     if load is None and preprocess is None and (folder := folder_hooks(dataset)) is not None:
-        return Hooks(load=folder.load, preprocess=folder.preprocess)
+        return Hooks(load=folder.load, preprocess=folder.preprocess, from_folder=True)
     if load is None and _is_staged(dataset):
         load = dataset.load
         check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")

@@ -40,12 +40,13 @@ import pickle
 import random
 import select
 import signal
+import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields
 from multiprocessing import connection, util
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
@@ -431,7 +432,7 @@ def _start_process(
     return _Worker(worker, process, ours, then, stacks)
 
 
-def start_context(requested: Any) -> Any:
+def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     """The multiprocessing context worker processes start from.
 
     ``multiprocessing_context`` keeps torch's meaning: a context (torch has turned a method's
@@ -444,7 +445,10 @@ def start_context(requested: Any) -> Any:
     program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
     keeps its choice; a chosen ``fork`` cannot be told from the default, which is ``fork`` too.
     Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
-    the worker, which therefore needs an ``if __name__ == "__main__":`` guard.
+    the worker, which therefore needs an ``if __name__ == "__main__":`` guard. ``preload`` names
+    the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
+    starts now imports them once, where each worker would import them again at every start
+    (torchvision alone takes seconds, at every epoch without ``persistent_workers``).
     """
     if requested is not None:
         return requested
@@ -454,19 +458,39 @@ def start_context(requested: Any) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_forkserver_preload())
+    context.set_forkserver_preload(_forkserver_preload(preload))
     return context
 
 
-def _forkserver_preload() -> list[str]:
-    """The fork server's preload list (the main script, by default) with this module added, so
-    that workers start with torch imported. Read through a private name of the standard library,
-    with its default where that is gone."""
+def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
+    """The fork server's preload list (the main script, by default) with this module and
+    ``extra`` added, so that workers start with torch imported. Read through a private name of
+    the standard library, with its default where that is gone. It counts only where the server
+    has not started yet: a running server keeps what it has."""
     import multiprocessing.forkserver
 
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     current = getattr(server, "_preload_modules", None) or ["__main__"]
-    return list(dict.fromkeys([*current, __name__]))
+    return list(dict.fromkeys([*current, __name__, *extra]))
+
+
+def modules_of(job: Any) -> list[str]:
+    """The modules a worker imports to unpickle ``job``: those of the classes and functions it
+    holds, and of the values a dataset holds (its ``transform``, say), where already imported
+    here. A guess one level deep, not a walk of the pickle: a module missed is imported by the
+    worker, as without a preload."""
+    values = [getattr(job, f.name) for f in fields(job)]
+    for value in list(values):
+        values += list(getattr(value, "__dict__", {}).values())
+    modules = []
+    for value in values:
+        owner = value if isinstance(value, type) or callable(value) else type(value)
+        name = getattr(owner, "__module__", None)
+        if isinstance(value, functools.partial):
+            name = getattr(value.func, "__module__", None)
+        if name and name not in ("__main__", "builtins") and name in sys.modules:
+            modules.append(name)
+    return list(dict.fromkeys(modules))
 
 
 def _explain_pickling(context: Any, error: Exception) -> None:
@@ -567,7 +591,7 @@ class ProcessPool:
         self._local = threading.local()
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
-        context = start_context(context)
+        context = start_context(context, modules_of(job))
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
         self._spawn: Callable[[int], _Worker] = lambda worker: _start_process(
             context, job, worker, num_workers, base_seed, worker_init_fn
@@ -731,10 +755,10 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
-    elif loader._hooks is None:
+    elif iterator._hooks is None:
         job = FetchJob(loader.dataset, auto, collate)
     else:
-        job = PreprocessJob(loader._hooks.preprocess, loader.dataset)
+        job = PreprocessJob(iterator._hooks.preprocess, loader.dataset)
     return ProcessPool(
         job,
         iterator._num_workers,
