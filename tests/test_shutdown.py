@@ -151,6 +151,17 @@ class InterruptsMain(Dataset):
         return index
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for the test. A program started in the background by a shell
+    without job control (``cmd &`` in a script, as CI may be) inherits SIGINT ignored, and then
+    Python installs no handler and Ctrl-C raises nothing: the tests below would not test."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("hooks", [False, True])
 def test_ctrl_c_while_waiting(hooks):
     preprocess = (lambda raw: raw) if hooks else None
@@ -160,6 +171,7 @@ def test_ctrl_c_while_waiting(hooks):
             pass
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_waiting_on_a_bare_pipeline():
     def fn(x):
         if x == 9:
