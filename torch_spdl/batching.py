@@ -231,6 +231,7 @@ class Assembler:
     def _survivors(self, parts: list[Any], at: int) -> list[Any]:
         """The samples that made it through load and preprocess; the others are recorded against
         the batch's position ``at`` in the pass."""
+        assert self.budget is not None  # called only where there is a budget
         survivors = []
         for part in parts:
             if isinstance(part, Failure):

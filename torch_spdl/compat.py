@@ -26,7 +26,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import torch
 from torch.utils.data import IterableDataset
@@ -122,17 +122,23 @@ def _pin_memory(data: Any, device: str | None = None) -> Any:
         pinned_list = [_pin_memory(value, device) for value in data]
         try:
             if isinstance(data, collections.abc.MutableSequence):
-                clone = copy.copy(data)
+                clone_list = copy.copy(data)
                 for i, value in enumerate(pinned_list):
-                    clone[i] = value
-                return clone
+                    clone_list[i] = value
+                return clone_list
             return type(data)(pinned_list)  # type: ignore[call-arg]
         except TypeError:
             return pinned_list
     return data
 
 
-pin_memory: Callable[[Any, str | None], Any] = _private(
+class _PinMemory(Protocol):
+    """torch's ``pin_memory(data, device=None)``: ``device`` may be given by keyword."""
+
+    def __call__(self, data: Any, device: str | None = None) -> Any: ...
+
+
+pin_memory: _PinMemory = _private(
     "pin_memory", "torch.utils.data._utils.pin_memory", "pin_memory", _pin_memory
 )
 

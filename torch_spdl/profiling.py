@@ -114,7 +114,8 @@ def _measure(loader: Any, plan: _Plan, values: list[Any]) -> tuple[dict[int, flo
         start = worker_starter(loader.dataset, level, 0, loader.worker_init_fn)
         stage = Stage(plan.name, plan.fn, level, on_start=start)
         began = time.perf_counter()
-        with Pipeline(values, [stage], name=f"torch_spdl.profile-{plan.name}") as results:
+        pipeline: Pipeline[Any] = Pipeline(values, [stage], name=f"torch_spdl.profile-{plan.name}")
+        with pipeline as results:
             produced = list(results)
         rates[level] = len(values) / (time.perf_counter() - began)
         outputs = outputs or produced

@@ -282,13 +282,13 @@ class PassRecord:
             self._replay.start()
         return self._skipping(batches)
 
-    def _samples(self, sampler: Any) -> Iterator[Any]:
+    def _samples(self, sampler: Any) -> Iterable[Any]:
         if not _replayable(sampler):
             return iter(sampler)
         self._replay = _Replay(sampler, self)
         return self._replay
 
-    def _batches(self, index_sampler: Any, created: Iterator[Any]) -> Iterator[Any]:
+    def _batches(self, index_sampler: Any, created: Iterator[Any]) -> Iterable[Any]:
         if is_stateful(index_sampler):
             return created
         if type(index_sampler) is BatchSampler:
@@ -299,7 +299,7 @@ class PassRecord:
             return self._samples(index_sampler)
         return created
 
-    def _skipping(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _skipping(self, batches: Iterable[Any]) -> Iterator[Any]:
         number = self.start
         for batch in batches:
             number += 1
@@ -474,6 +474,7 @@ def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
             "state_dict()/load_state_dict() and the other not"
         )
     if target is not None:
+        assert saved is not None  # checked above: both or neither
         target.load_state_dict(copy.deepcopy(saved["state"]))
 
 

@@ -125,7 +125,10 @@ class ShownSequentialSampler(_Shown, SequentialSampler):
     """torch's ``SequentialSampler``, shown as ``loader.sampler``: the loader iterates its own."""
 
 
-_SHOWN = {RandomSampler: ShownRandomSampler, SequentialSampler: ShownSequentialSampler}
+_SHOWN: dict[type, type[_Shown]] = {
+    RandomSampler: ShownRandomSampler,
+    SequentialSampler: ShownSequentialSampler,
+}
 
 
 def shown_sampler(sampler: Any) -> Any:

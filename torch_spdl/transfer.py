@@ -15,7 +15,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,11 +40,11 @@ def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(data, Mapping):
         mapped = {key: map_tensors(value, fn) for key, value in data.items()}
         try:
-            clone = copy.copy(data)
-            clone.update(mapped)
-            return clone
+            copied: Any = copy.copy(data)  # any Mapping: update() may be missing
+            copied.update(mapped)
+            return copied
         except (TypeError, AttributeError):  # immutable mappings, or no update()
-            return type(data)(mapped)
+            return cast(Callable[[dict[Any, Any]], Any], type(data))(mapped)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
         return type(data)(*(map_tensors(item, fn) for item in data))
     if isinstance(data, (list, tuple)):

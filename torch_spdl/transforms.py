@@ -8,7 +8,7 @@ thus cross PCIe as uint8 (4x fewer bytes than float32) and become float where th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torchvision.transforms import v2
@@ -60,10 +60,12 @@ class Normalize:
             return {**batch, self.key: self._normalize(batch[self.key])}
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple: by index or name
             field = self.key if isinstance(self.key, str) else batch._fields[self.key]
-            return batch._replace(**{field: self._normalize(getattr(batch, field))})
+            named = cast(Any, batch)  # tuple's type has no _replace; a namedtuple's has
+            return named._replace(**{field: self._normalize(getattr(batch, field))})
         if isinstance(batch, (list, tuple)):
             items = list(batch)
-            items[self.key] = self._normalize(items[self.key])
+            index = cast(int, self.key)  # a str key fails here as list indexing does: TypeError
+            items[index] = self._normalize(items[index])
             return items if isinstance(batch, list) else type(batch)(items)
         raise TypeError(f"Normalize(key={self.key!r}) cannot index a {type(batch).__name__} batch")
 

@@ -49,7 +49,10 @@ def _make_get_worker_info_thread_aware() -> None:
     """
     target = torch.utils.data.get_worker_info
     namespace = getattr(target, "__globals__", None)
-    if namespace is not None and "_torch_spdl_get_worker_info" in namespace:
+    if namespace is None:  # not a plain function: its code cannot be swapped
+        _replace_get_worker_info(target)
+        return
+    if "_torch_spdl_get_worker_info" in namespace:
         namespace["_torch_spdl_thread_state"] = _thread_state  # this module was reloaded
         return
     try:
@@ -80,7 +83,8 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
         if name.startswith("torch.utils.data") and getattr(module, "get_worker_info", None) is (
             original
         ):
-            module.get_worker_info = get_worker_info
+            # typeshed's ModuleType declares no __setattr__; a module takes any attribute
+            module.get_worker_info = get_worker_info  # type: ignore[attr-defined]
     warnings.warn(
         f"torch_spdl could not make torch {torch.__version__}'s get_worker_info() answer per "
         "worker thread in place; code that took a reference to it before torch_spdl was "

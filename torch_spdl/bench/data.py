@@ -55,9 +55,11 @@ def make_jpeg(rng: np.random.Generator) -> bytes:
     width = int(rng.integers(WIDTHS[0], WIDTHS[1] + 1))
     height = int(rng.integers(HEIGHTS[0], HEIGHTS[1] + 1))
     coarse = rng.integers(0, 256, size=(*rng.integers(4, 12, size=2), 3), dtype=np.uint8)
-    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC))
+    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC))
     texture = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8)
-    texture = np.asarray(Image.fromarray(texture).resize((width, height), Image.BILINEAR))
+    texture = np.asarray(
+        Image.fromarray(texture).resize((width, height), Image.Resampling.BILINEAR)
+    )
     noise = rng.normal(0, NOISE, size=smooth.shape)
     pixels = np.clip(0.6 * smooth + 0.4 * texture + noise, 0, 255).astype(np.uint8)
     out = io.BytesIO()

@@ -47,9 +47,11 @@ def http_server(latency_ms: float) -> Iterator[RunningServer]:
     """
     command = [sys.executable, "-I", str(SERVER_SCRIPT), "--latency", str(latency_ms)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    stdout = process.stdout
+    assert stdout is not None  # stdout=PIPE
     try:
-        ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-        line = process.stdout.readline() if ready else b""
+        ready, _, _ = select.select([stdout], [], [], START_TIMEOUT_S)
+        line = stdout.readline() if ready else b""
         if not line.strip().isdigit():
             raise RuntimeError(
                 f"the HTTP server did not report its port within {START_TIMEOUT_S:g} s "
@@ -63,7 +65,7 @@ def http_server(latency_ms: float) -> Iterator[RunningServer]:
         except subprocess.TimeoutExpired:  # SIGTERM ignored or stuck: make sure it goes
             process.kill()
             process.wait()
-        process.stdout.close()
+        stdout.close()
 
 
 async def http_get(host: str, port: int, path: str) -> bytes:

@@ -175,7 +175,7 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
             f"{options.root} holds {len(folder)} images; {options.batches} batches of {BATCH} "
             f"need {needed} (use fewer --batches or more images)"
         )
-    common = dict(batch_size=BATCH, shuffle=True, drop_last=True)
+    common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True, drop_last=True)
 
     def loader(name: str, workers: int, make: Any, **extra: Any) -> Variant:
         count = lambda batch: len(batch[1])  # batches are (images, labels)

@@ -19,7 +19,7 @@ import os
 import statistics
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -140,7 +140,7 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
         if done == batches:
             break
     by_tid = {t.native_id: t for t in threading.enumerate()}
-    spent: Counter[str] = Counter()
+    spent: defaultdict[str, float] = defaultdict(float)  # CPU seconds by group
     for name in os.listdir(f"/proc/{me}/task"):
         tid = int(name)
         used = cpu_seconds(f"/proc/{me}/task/{tid}/stat") - before.get(tid, 0)
@@ -150,7 +150,8 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
             spent["worker processes"] += cpu_seconds(f"/proc/{pid}/stat")
     del iterator, loader
     samples = batches * size
-    return {group: seconds / samples * 1000 for group, seconds in spent.most_common()}
+    ranked = sorted(spent.items(), key=lambda item: item[1], reverse=True)  # as most_common()
+    return {group: seconds / samples * 1000 for group, seconds in ranked}
 
 
 def intra_op_effect(variant: Variant, rounds: int = 3) -> dict[str, float]:

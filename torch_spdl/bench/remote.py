@@ -48,7 +48,7 @@ def prepare(options: Options) -> Iterator[list[Variant]]:
     """Start the server for the ``with`` block and yield the variants that read from it."""
     with http_server(LATENCY_MS) as server:
         dataset = HttpItems(HOST, server.port, options.batches * BATCH)
-        common = dict(batch_size=BATCH, shuffle=True)
+        common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True)
 
         def variant(loader: str, workers: int, make: Any, note: str) -> Variant:
             return Variant(

@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import re
 import signal
-import sys
 
 HOST = "127.0.0.1"
 BODY_BYTES = 16 * 1024
@@ -92,4 +91,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

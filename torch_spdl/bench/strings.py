@@ -55,7 +55,7 @@ def check_batch(batch: Any) -> None:
 def prepare(options: Options) -> Iterator[list[Variant]]:
     """Build the list once (it is what the workers copy) and yield the variants over it."""
     dataset = Strings(options.strings)
-    common = dict(batch_size=BATCH, shuffle=True)
+    common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True)
 
     def variant(loader: str, workers: int, make: Any) -> Variant:
         return Variant("C", loader, workers, make, options.batches, len, check=check_batch)

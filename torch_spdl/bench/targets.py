@@ -122,7 +122,7 @@ def remote_targets(find: Lookup) -> list[Target]:
     few = find.by_workers("B", TORCH, min)
     many = find.by_workers("B", TORCH, max)
     spdl = find.fastest("B", remote.SPDL)
-    if few is None or spdl is None:
+    if few is None or many is None or spdl is None:  # few and many are None together
         return []
     found = [speed(spdl, few, 5.0)]
     if many is not few:

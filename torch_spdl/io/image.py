@@ -210,7 +210,7 @@ def _luma(rgb: torch.Tensor) -> torch.Tensor:
 
 # -- Pillow paths ------------------------------------------------------------------------------
 def _decode_with_pillow(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
-    with Image.open(io.BytesIO(memoryview(encoded.numpy()))) as image:
+    with Image.open(io.BytesIO(encoded.numpy().data)) as image:
         return pil_to_tensor(image.convert(mode))
 
 
@@ -228,7 +228,7 @@ def _decode_jpeg_draft(
     target = output_size(*dimensions, size)
     if dimensions[0] // target[0] < 2 or dimensions[1] // target[1] < 2:
         return None
-    with Image.open(io.BytesIO(memoryview(encoded.numpy()))) as image:
+    with Image.open(io.BytesIO(encoded.numpy().data)) as image:
         image.draft("L" if mode in ("L", "LA") else "RGB", (target[1], target[0]))
         pixels = image if image.mode == mode else image.convert(mode)
         return pil_to_tensor(pixels), target
@@ -242,7 +242,7 @@ def jpeg_dimensions(encoded: torch.Tensor) -> tuple[int, int] | None:
 
     Walks the marker segments before the scan data; nothing is decoded.
     """
-    buf = memoryview(encoded.numpy())
+    buf = encoded.numpy().data  # a memoryview of the bytes, as memoryview(array) is
     pos = 2  # past SOI
     while pos + 4 <= len(buf) and buf[pos] == 0xFF:
         marker = buf[pos + 1]

@@ -117,7 +117,9 @@ def _start_pts(stream: av.VideoStream, start: float) -> int | None:
     if start == 0:
         return None
     first = stream.start_time or 0
-    return first + math.ceil(start / float(stream.time_base) - 1e-6)
+    time_base = stream.time_base
+    assert time_base is not None  # libavformat gives every stream one (1/90000 by default)
+    return first + math.ceil(start / float(time_base) - 1e-6)
 
 
 def _seek(container: av.container.InputContainer, stream: av.VideoStream, pts: int | None) -> None:

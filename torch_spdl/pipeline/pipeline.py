@@ -159,6 +159,7 @@ class _Runtime:
     def start_epoch(self, iterable: Iterable[Any] | None) -> None:
         if self.reader is not None:
             if iterable is None:
+                assert isinstance(self.source, SharedSource)  # the reader reads a shared source
                 iterable = self.source.iterable
             self.epoch, base = self.reader.start_epoch(iterable)
         else:

@@ -44,7 +44,7 @@ class WorkerSource:
 
     def __init__(
         self,
-        fn: Callable[[int], Iterator[Any]],
+        fn: Callable[[int], Iterable[Any]],
         workers: int,
         *,
         max_in_flight: int | None = None,
@@ -116,6 +116,7 @@ class SharedReader:
             return
         with self._cond:
             if seq >= self._base:
+                assert self._free is not None  # set from the limit
                 self._free += 1
                 self._budget.notify()  # only the busy thread waits for budget
 
@@ -151,6 +152,7 @@ class SharedReader:
     def _take(self) -> tuple[int, Any] | None:
         """One item from the iterator, numbered; None if it belonged to an abandoned epoch."""
         epoch = self._epoch
+        assert self._iterator is not None  # _wait_for_turn saw an epoch running
         try:
             item = next(self._iterator)
         except StopIteration:
@@ -188,6 +190,7 @@ class SharedReader:
             self._budget.wait()
         if self._epoch != epoch:
             return False
+        assert self._free is not None  # set from the limit
         self._free -= 1
         return True
 

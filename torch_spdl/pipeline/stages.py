@@ -265,7 +265,7 @@ class AsyncStageRunner:
             while True:
                 self.slots.acquire()
                 item = self.upstream.get()
-                self._call_in_loop(lambda item=item: self._spawn(item))
+                self._call_in_loop(functools.partial(self._spawn, item))
         except (Closed, Stopped):
             pass
         finally:
@@ -280,6 +280,7 @@ class AsyncStageRunner:
         if not is_control(value):
             start = time.perf_counter()
             task = asyncio.current_task()
+            assert task is not None  # a coroutine the loop runs as a task
             self.started[task] = (value, start)
             try:
                 value = await self.stage.fn(value)
