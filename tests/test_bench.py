@@ -126,7 +126,8 @@ def test_tree_pss_counts_children_and_leaves_out_excluded_ones(child_with_64_mib
     own = memory.pss(me)
     assert memory.pss(child) > 60 * MIB
     assert memory.tree_pss() > own + 60 * MIB
-    assert memory.tree_pss(exclude=[child]) < own + 30 * MIB
+    # other children (a fork server an earlier test started) count in both
+    assert memory.tree_pss() - memory.tree_pss(exclude=[child]) > 60 * MIB
     assert memory.pss(2**22 + 12345) == 0  # no such process: counted as gone, not an error
 
 

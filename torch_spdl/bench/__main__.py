@@ -125,6 +125,7 @@ def configure(args: argparse.Namespace) -> Config:
             workers=series.host_workers(),
             batches=pick(batches, 16, 2),
             step_ms=5.0 if quick else 20.0,
+            warmup=pick(None, 8, 2),
         ),
     )
 

@@ -16,13 +16,15 @@ program slows all of them instead of one; the median then discards the rounds it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -45,6 +47,10 @@ class Variant:
     # a training step run on each batch in this thread (workload D): the loader's work is
     # then measured beside a consumer that needs the GIL, as a training loop does
     consume: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+    # batches of an untimed first pass over the same loader, before the timed one: a loader that
+    # is iterated epoch after epoch, measured from its second epoch (what worker_method="auto"
+    # decided in the first holds from there; torch's workers start again either way)
+    warmup: int = 0
 
     @property
     def name(self) -> str:
@@ -67,6 +73,7 @@ class Sample:
     # out: what the loader costs the process that trains
     main_cpu_s_per_1000: float = 0.0
     step_s: float = 0.0  # the consumer's median step time, where there is a consumer
+    executor: str = ""  # where worker_method="auto" put the CPU stage by the pass's end
 
 
 @contextlib.contextmanager
@@ -90,9 +97,10 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
 def measure(variant: Variant) -> Sample:
     """Iterate a fresh loader for ``variant.batches`` batches (all of it if 0) and time it."""
     loader = variant.make()
+    warm_up(loader, variant)
     # "All of it" is counted out rather than run to exhaustion: torch shuts its workers down when
     # asked for the batch after the last, and the reading after the loop must still see them.
-    wanted = variant.batches or len(loader)
+    wanted = variant.batches or len(cast(Sized, loader))  # batches=0 needs a sized loader
     samples = batches = 0
     first = batch = None
     steps: list[float] = []
@@ -118,13 +126,40 @@ def measure(variant: Variant) -> Sample:
         main_cpu = time.process_time() - cpu - step_cpu
         pss.read()  # workers still alive and holding what they copied; not timed
         del iterator, batch  # torch joins its workers here
+    executor = auto_executor(loader)
     del loader
     gc.collect()
     if first is None:
         raise RuntimeError(f"{variant.name}: the loader yielded no batch")
     step = statistics.median(steps) if steps else 0.0
     cpu_per_1000 = 1000 * main_cpu / samples
-    return Sample(samples / seconds, first, pss.peak, samples, seconds, cpu_per_1000, step)
+    return Sample(
+        samples / seconds, first, pss.peak, samples, seconds, cpu_per_1000, step, executor
+    )
+
+
+def warm_up(loader: Iterable[Any], variant: Variant) -> None:
+    """The untimed first pass of ``variant.warmup`` batches, each consumed as in the timed one."""
+    if not variant.warmup:
+        return
+    iterator = iter(loader)
+    for batch in itertools.islice(iterator, variant.warmup):
+        if variant.consume is not None:
+            variant.consume(batch)
+    del iterator  # the pass ends here, as a `break` out of an epoch does
+
+
+def auto_executor(loader: Any) -> str:
+    """``"auto: process"`` and the like: what a torch_spdl loader's ``"auto"`` chose, where it
+    chose (``""`` for other loaders, and while it still measures)."""
+    stats = getattr(loader, "stats", None)
+    if getattr(loader, "worker_method", None) != "auto" or stats is None:
+        return ""
+    decision = stats().executor
+    prefix = "worker_method='auto' chose "
+    if not decision.startswith(prefix):
+        return ""
+    return "auto: " + decision[len(prefix) :].split(":")[0]
 
 
 @dataclass
@@ -147,6 +182,12 @@ class Result:
 
     def median(self, attribute: str) -> float:
         return statistics.median(getattr(sample, attribute) for sample in self.samples)
+
+    @property
+    def executors(self) -> str:
+        """Where ``"auto"`` put the stage in each round, counted: ``"auto: process ×3"``."""
+        counts = collections.Counter(sample.executor for sample in self.samples if sample.executor)
+        return ", ".join(f"{name} ×{count}" for name, count in sorted(counts.items()))
 
     @property
     def rate(self) -> float:

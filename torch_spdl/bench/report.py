@@ -80,14 +80,14 @@ def table(results: Sequence[Result], rounds: int) -> str:
             result.loader,
             str(result.workers),
             f"{result.rate:,.0f}",
-            _ratio(result.rate, ref and ref.rate),
+            _ratio(result.rate, ref.rate if ref else None),
             f"{result.first_batch:.3f}",
-            _ratio(result.first_batch, ref and ref.first_batch),
+            _ratio(result.first_batch, ref.first_batch if ref else None),
             f"{result.peak_pss / MIB:,.0f}",
-            _ratio(result.peak_pss, ref and ref.peak_pss),
+            _ratio(result.peak_pss, ref.peak_pss if ref else None),
             f"{result.main_cpu:.2f}",
-            _ratio(result.step, alone and alone.step) if result.step else "",
-            result.note,
+            _ratio(result.step, alone.step if alone else None) if result.step else "",
+            "; ".join(text for text in (result.note, result.executors) if text),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

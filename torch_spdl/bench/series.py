@@ -35,6 +35,7 @@ class TrainingOptions:
     workers: tuple[int, ...]
     batches: int
     step_ms: float  # what one training step costs alone, in Python that holds the GIL
+    warmup: int = 0  # batches of an untimed first pass of each loader (see Variant.warmup)
 
 
 def host_workers(cores: int | None = None) -> tuple[int, ...]:

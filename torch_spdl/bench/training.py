@@ -107,12 +107,21 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             f"need {needed} (use fewer --batches or more images)"
         )
     step = calibrate(options.step_ms)
-    common = dict(batch_size=BATCH, shuffle=True, drop_last=True)
+    common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True, drop_last=True)
     count = lambda batch: len(batch[1])  # batches are (images, labels)
 
-    def variant(name: str, workers: int, make: Any, note: str = "") -> Variant:
+    def variant(name: str, workers: int, make: Any, note: str = "", warmup: bool = True) -> Variant:
         return Variant(
-            "D", name, workers, make, options.batches, count, check_batch, note=note, consume=step
+            "D",
+            name,
+            workers,
+            make,
+            options.batches,
+            count,
+            check_batch,
+            note=note,
+            consume=step,
+            warmup=options.warmup if warmup else 0,
         )
 
     variants = [
@@ -121,6 +130,7 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             0,
             lambda: fake_batches(options.batches),
             note=f"{step.ops} ops per step, calibrated to {options.step_ms:g} ms alone",
+            warmup=False,  # a generator of fake batches: nothing to warm up
         )
     ]
     for w in options.workers:
