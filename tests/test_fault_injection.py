@@ -31,9 +31,16 @@ RUNS = 200
 
 MODES = {  # mode: (loader keywords, the stages a fault may hit)
     "inline": ({"num_workers": 0}, ["getitem", "collate", "sampler"]),
-    "threads": ({"num_workers": 2}, ["getitem", "collate", "sampler", "worker_init"]),
-    "hooks": ({"num_workers": 2}, ["load", "preprocess", "collate", "sampler"]),
-    "async": ({"num_workers": 2}, ["load", "preprocess", "sampler"]),
+    "threads": (
+        {"num_workers": 2, "worker_method": "thread"},
+        ["getitem", "collate", "sampler", "worker_init"],
+    ),
+    "auto": ({"num_workers": 2}, ["getitem", "collate", "sampler", "worker_init"]),
+    "hooks": (
+        {"num_workers": 2, "worker_method": "thread"},
+        ["load", "preprocess", "collate", "sampler"],
+    ),
+    "async": ({"num_workers": 2, "worker_method": "thread"}, ["load", "preprocess", "sampler"]),
     "iterable": ({"num_workers": 2}, ["iter", "collate"]),
     "processes": (
         {"num_workers": 2, "worker_method": "process"},

@@ -535,7 +535,8 @@ def test_an_unpicklable_dataset_says_how_to_start_by_fork():
 # -- arguments -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["threads", "Process", 1, None])
 def test_bad_worker_method_is_a_value_error(method):
-    with pytest.raises(ValueError, match=r"worker_method option should be 'thread' or 'process'"):
+    expected = r"worker_method option should be 'auto', 'thread' or 'process'"
+    with pytest.raises(ValueError, match=expected):
         DataLoader(Squares(), num_workers=2, worker_method=method)
 
 

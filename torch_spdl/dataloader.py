@@ -22,6 +22,7 @@ import torch.utils.data
 from torch.utils.data import BatchSampler
 
 from . import gil, resume
+from .auto import PROCESS, THREAD, AutoState, Decision, Trial, decide
 from .batching import (
     Assembler,
     FetchTask,
@@ -46,7 +47,8 @@ from .compat import (
 )
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures
 from .hooks import Hooks, resolve_hooks
-from .pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .pipeline import Failure, Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .processes import ProcessPool, attach, process_pool, uses_processes
 from .sampling import (
@@ -61,6 +63,7 @@ from .sampling import (
 from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
+from .switch import Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
 from .workers import worker_starter
@@ -107,9 +110,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       :class:`~torch_spdl.stall.StallWarning`, and the loader goes on waiting) with what each
       stage is on: the dataset indices in flight, for how long, and each thread's stack. A
       ``timeout`` that expires says the same in its error. Off by default; with workers only.
-    - ``worker_method``: ``"thread"``, or ``"process"`` to run the CPU stage (``fetch``, or
-      ``preprocess`` with hooks) in ``num_workers`` worker processes, for GIL-bound Python code
-      (see :mod:`torch_spdl.processes`). ``"multiprocessing"`` (torch's name) means ``"process"``.
+    - ``worker_method``: where the CPU stage (``fetch``, or ``preprocess`` with hooks) runs.
+      ``"auto"`` (the default) starts on ``num_workers`` threads, measures the first batches and
+      moves the stage to worker processes where the GIL binds it, or into the training loop's
+      thread where a batch is cheaper than a hand-off (see :mod:`torch_spdl.auto`);
+      ``"thread"`` and ``"process"`` fix the choice (see :mod:`torch_spdl.processes`).
+      ``"multiprocessing"`` (torch's name) means ``"process"``.
     """
 
     def __init__(
@@ -141,7 +147,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         device_transform: Callable[[Any], Any] | None = None,
         cache_bytes: int | None = None,
         preload: bool = False,
-        worker_method: str = "thread",
+        worker_method: str = "auto",
         max_failures: int | float = 0,
         stats_interval: float | None = None,
         stall_warning: float | None = None,
@@ -188,6 +194,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.preload = preload
         processes = uses_processes(worker_method)  # validates it
         self.worker_method = worker_method
+        self._auto = AutoState()  # what worker_method="auto" decided, for the passes after
         self._cache = self._make_cache()
         self._preloaded = False
         # What the loader's own iterator reads (`_index_sampler`): the samplers torch built, or
@@ -239,11 +246,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return ByteLRU(self.cache_bytes)
 
     def _stage_hooks(self, processes: bool) -> Hooks | None:
-        """The hooks an iterator runs. In worker processes, a folder that the loader split by
-        itself runs whole in the worker, as torch's does: the files are read, decoded and
-        collated there and one batch comes back through shared memory, where the split would
-        send every sample's bytes out and its image back. A cache or a failure budget needs the
-        split, and keeps it."""
+        """The hooks an iterator runs. In worker processes (or where ``"auto"`` may move the
+        stage there), a folder that the loader split by itself runs whole in the worker, as
+        torch's does: the files are read, decoded and collated there and one batch comes back
+        through shared memory, where the split would send every sample's bytes out and its image
+        back. A cache or a failure budget needs the split, and keeps it."""
         hooks = self._hooks
         if (
             processes
@@ -419,8 +426,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
-        processes = uses_processes(loader.worker_method) and self._num_workers > 0
-        self._hooks = loader._stage_hooks(processes)
+        workers = self._num_workers > 0
+        self._may_switch = workers and loader.worker_method == "auto"
+        decided = loader._auto.decision if self._may_switch else None
+        processes = workers and (
+            uses_processes(loader.worker_method)
+            or (decided is not None and decided.executor == PROCESS)
+        )
+        self._processes = processes
+        self._hooks = loader._stage_hooks(processes or self._may_switch)
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
@@ -433,6 +447,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
         self.stats_probe = StatsProbe(self._clock, self._budget, processes)
+        self.stats_probe.decision = decided
+        self._switch: Switch | None = None
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._stall_warning = loader.stall_warning
         self._pool: ProcessPool | None = None
@@ -505,8 +521,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
         in_flight = loader.prefetch_factor * self._num_workers
-        pool = process_pool(self, loader)  # worker processes, or None for worker threads
+        # worker processes from the start, or None for worker threads
+        pool = process_pool(self, loader)() if self._processes else None
         self._pool = pool
+        self._switch = None
         iterable = is_iterable(self._dataset)
         start = (
             pool.start
@@ -523,6 +541,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         name = f"torch_spdl.DataLoader-{id(self):x}"
         options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
         if iterable:
+            if self._may_switch and not self._processes:
+                self.stats_probe.decision = Decision(
+                    THREAD,
+                    "an IterableDataset's streams stay where they start; "
+                    "worker_method='process' runs GIL-bound streams in processes",
+                )
             source = WorkerSource(
                 self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
@@ -534,12 +558,19 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         hooks = self._hooks
         if hooks is None:
             self._make_source = fetch_tasks
+            fetch, start = self._cpu_stage(
+                loader,
+                batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+                if pool is None
+                else pool.fetch,
+                start,
+                "fetch",
+                tasks_per_batch=1,
+            )
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",
-                    batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
-                    if pool is None
-                    else pool.fetch,
+                    fetch,
                     self._num_workers,
                     describe=FetchTask.describe,
                     on_start=start,
@@ -555,7 +586,71 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
             )
-        return attach(Pipeline(source, stages + self._transfer_stage(), **options), pool)
+        pipeline = attach(Pipeline(source, stages + self._transfer_stage(), **options), pool)
+        if self._switch is not None:
+            pipeline.on_stop(self._switch.close)
+        return pipeline
+
+    def _cpu_stage(
+        self,
+        loader: DataLoader,
+        fn: Callable[[Any], Any],
+        start: Callable[[int], None],
+        name: str,
+        tasks_per_batch: int,
+    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
+        """The CPU stage's function and ``on_start``: as given, or, with ``"auto"``, through a
+        :class:`~torch_spdl.switch.Switch` that measures the first batches and may move the stage
+        to worker processes or into the training loop's thread."""
+        if not self._may_switch or self._processes:
+            return fn, start
+        decided = loader._auto.decision
+        inline_possible = name == "fetch" and self._transfer is None
+        make_pool = process_pool(self, loader)
+        switch = Switch(
+            fn,
+            name,
+            start=start,
+            make_pool=make_pool,
+            conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe()),
+            trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
+            route=THREAD if decided is None else decided.executor,
+        )
+        self._switch = switch
+        self.stats_probe.switch = switch
+        return switch, switch.on_start
+
+    def _concluder(
+        self,
+        loader: DataLoader,
+        inline_possible: bool,
+        tasks_per_batch: int,
+        no_processes: str | None,
+    ) -> Callable[[Trial], Decision]:
+        """What turns a trial into a decision, holding plain values only (stage threads call it)."""
+        state = loader._auto
+        if self._budget.enabled and self._hooks is None:
+            no_processes = "max_failures skips samples on threads only when there are no hooks"
+        try:
+            total: int | None = len(self._index_sampler) * tasks_per_batch
+        except TypeError:
+            total = None
+
+        def conclude(trial: Trial) -> Decision:
+            measured = trial.measured()
+            remaining = None if total is None else max(0, total - measured.stage.count)
+            decision = decide(
+                measured,
+                gil_enabled=gil.gil_enabled(),
+                no_processes=no_processes,
+                inline_possible=inline_possible,
+                remaining_tasks=remaining,
+            )
+            if decision.final:
+                state.decision = decision
+            return decision
+
+        return conclude
 
     def _transfer_stage(self) -> list[Stage | Stream]:
         """One thread owning the transfer stream, after batches are complete."""
@@ -581,6 +676,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         io_seed = self._base_seed + self._num_workers
         io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
         assembler = Assembler(self._auto_collation, self._finish, self._budget)
+        preprocess, start = self._cpu_stage(
+            loader,
+            sample_stage(hooks.preprocess, lambda task: task.value)
+            if pool is None
+            else pool.preprocess,
+            start,
+            "preprocess",
+            tasks_per_batch=self._samples_per_batch(loader),
+        )
         return [
             Stage(
                 "load",
@@ -591,9 +695,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             ),
             Stage(
                 "preprocess",
-                sample_stage(hooks.preprocess, lambda task: task.value)
-                if pool is None
-                else pool.preprocess,
+                preprocess,
                 self._num_workers,
                 describe=SampleTask.describe,
                 on_start=start,
@@ -628,6 +730,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return index
 
     def _next_data(self) -> Any:
+        trial = None if self._switch is None else self._switch.trial
+        if trial is not None:  # the training loop's step ends: see torch_spdl.auto
+            trial.step_ended()
         started = self._clock.waiting()
         while True:
             try:
@@ -641,6 +746,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             if data is not SKIPPED:  # a batch whose every sample failed, within the budget
                 break
         self._clock.got(started)
+        if trial is not None:
+            trial.step_began()
         return data if self._transfer is None else self._transfer.hand_over(data)
 
     def _check_budget(self) -> None:
@@ -669,9 +776,24 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         deadline = None if not self._timeout else began + self._timeout
         stall = self._stall_warning
         warn_at = None if stall is None else began + stall
+        trial = None if self._switch is None else self._switch.trial
+        if trial is not None:
+            trial.consumer_waits(True)  # the GIL probe's knocks count now: see torch_spdl.auto
+        try:
+            return self._wait_for_batch(began, deadline, stall, warn_at)
+        finally:
+            if trial is not None:
+                trial.consumer_waits(False)
+
+    def _wait_for_batch(
+        self, began: float, deadline: float | None, stall: float | None, warn_at: float | None
+    ) -> Any:
+        """The next batch from the pipeline, with ``timeout``, stall warnings and reports."""
         while True:
             try:
                 data = self._pipeline.get(self._wait_limit(deadline, warn_at))
+                if isinstance(data, Deferred):
+                    data = run_deferred(data)
             except TimeoutError:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
@@ -779,3 +901,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
         if self._pipeline is not None:
             self._pipeline.close()
+
+
+def run_deferred(deferred: Deferred) -> Any:
+    """A fetch that ``"auto"`` left to the training loop's thread, run now; an error reads as the
+    stage's would (its type, the stage, the dataset indices), as in ``num_workers=0`` a
+    BaseException is raised as itself."""
+    try:
+        return deferred.run()
+    except Exception:
+        task = deferred.task
+        where_ = where("fetch", task.describe()) + " (in the training loop's thread)"
+        Failure.capture(where_, task, "fetch").reraise()

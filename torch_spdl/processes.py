@@ -30,6 +30,7 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import faulthandler
 import functools
@@ -70,7 +71,7 @@ from .pipeline.stages import where
 from .sampling import WorkerStreams
 from .workers import set_process_worker_info, worker_info
 
-WORKER_METHODS = ("thread", "process", "multiprocessing")
+WORKER_METHODS = ("auto", "thread", "process", "multiprocessing")
 PROCESS_WORKER_METHOD = "multiprocessing"
 """``WorkerInfo.worker_method`` in a worker process: the value torch's own worker processes report
 (``WorkerInfo``'s default), so dataset code written against torch sees what it expects."""
@@ -133,10 +134,11 @@ def uses_processes(worker_method: Any) -> bool:
     """Whether ``worker_method`` asks for worker processes; ValueError if it names no method."""
     if not isinstance(worker_method, str) or worker_method not in WORKER_METHODS:
         raise ValueError(
-            "worker_method option should be 'thread' or 'process' ('multiprocessing', the name "
-            f"torch's WorkerInfo uses, means 'process'), but got worker_method={worker_method!r}"
+            "worker_method option should be 'auto', 'thread' or 'process' ('multiprocessing', the "
+            "name torch's WorkerInfo uses, means 'process'), but got "
+            f"worker_method={worker_method!r}"
         )
-    return worker_method != "thread"
+    return worker_method in ("process", "multiprocessing")
 
 
 # -- what a worker process runs ----------------------------------------------------------------
@@ -462,6 +464,40 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     return context
 
 
+def unguarded_main() -> str | None:
+    """The main script's path where workers started by ``context`` would import it and it has no
+    ``if __name__ == "__main__":`` guard at its top level: a worker would run the training script
+    again (``spawn`` and fork servers import it, as ``__mp_main__``). None where it is safe: no
+    main file (a notebook, ``python -c``) or a guard found. ``"auto"`` moves nothing to processes
+    then; ``"process"``, asked for, documents the need, as torch does for ``spawn``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as file:
+            tree = ast.parse(file.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return path
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            return None
+    return path
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [side for side in sides if isinstance(side, ast.Name) and side.id == "__name__"]
+    texts = [side for side in sides if isinstance(side, ast.Constant) and side.value == "__main__"]
+    return bool(names and texts)
+
+
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     """The fork server's preload list (the main script, by default) with this module and
     ``extra`` added, so that workers start with torch imported. Read through a private name of
@@ -740,17 +776,15 @@ class ProcessPool:
             yield Failure(payload) if status == ERROR else self._pin(payload)
 
 
-def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
-    """The worker processes of a loader's iterator, or None when its workers are threads.
+def process_pool(iterator: Any, loader: Any) -> PoolStarter:
+    """What starts the worker processes of a loader's iterator, made now from plain values (it
+    holds neither the iterator nor the loader, so the threads that may call it keep neither
+    alive).
 
     ``iterator`` is the loader's ``_ThreadDataLoaderIter``; the job mirrors what its thread stage
     would run: torch's fetch without hooks, ``preprocess`` with them, a per-worker iterator for an
     IterableDataset (over the iterator's dataset, which may be a per-rank shard of the loader's).
     """
-    if not uses_processes(loader.worker_method):
-        return None
-    # torch's warning when worker processes outnumber the CPUs, given where torch gives it
-    torch.utils.data.DataLoader.check_worker_number_rationality(loader)
     auto, collate = iterator._auto_collation, iterator._collate_fn
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
@@ -759,14 +793,52 @@ def process_pool(iterator: Any, loader: Any) -> ProcessPool | None:
         job = FetchJob(loader.dataset, auto, collate)
     else:
         job = PreprocessJob(iterator._hooks.preprocess, loader.dataset)
-    return ProcessPool(
+    return PoolStarter(
         job,
         iterator._num_workers,
-        base_seed=iterator._base_seed,
-        worker_init_fn=loader.worker_init_fn,
-        context=loader.multiprocessing_context,
-        pin=iterator._pinner(),
+        iterator._base_seed,
+        loader.worker_init_fn,
+        loader.multiprocessing_context,
+        iterator._pinner(),
     )
+
+
+@dataclass(frozen=True)
+class PoolStarter:
+    """A :class:`ProcessPool` to be, as plain values; calling it starts the processes."""
+
+    job: Job
+    num_workers: int
+    base_seed: int
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: Any
+    pin: Callable[[Any], Any] | None
+
+    def __call__(self) -> ProcessPool:
+        # torch's warning when worker processes outnumber the CPUs, given where torch gives it
+        torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+        return ProcessPool(
+            self.job,
+            self.num_workers,
+            base_seed=self.base_seed,
+            worker_init_fn=self.worker_init_fn,
+            context=self.multiprocessing_context,
+            pin=self.pin,
+        )
+
+    def unsafe(self) -> str | None:
+        """Why these workers must not start, or None: a script without a main guard that they
+        would import (see :func:`unguarded_main`)."""
+        context = start_context(self.multiprocessing_context)
+        if context.get_start_method() == "fork":
+            return None
+        path = unguarded_main()
+        if path is None:
+            return None
+        return (
+            f"worker processes would run the main script again: {path} has no "
+            '`if __name__ == "__main__":` guard'
+        )
 
 
 def attach(pipeline: Pipeline[Any], pool: ProcessPool | None) -> Pipeline[Any]:

@@ -19,10 +19,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from .auto import PROCESS, Decision
 from .failures import FailureBudget, SampleFailure
 from .pipeline import InFlight, StageReport
 from .pipeline.stats import StageStats, in_flight
+
+if TYPE_CHECKING:
+    from .switch import Switch
 
 logger = logging.getLogger("torch_spdl")
 
@@ -44,6 +49,7 @@ class LoaderStats:
     bottleneck: str = ""
     suggestion: str = ""
     in_flight: list[InFlight] = field(default_factory=list)  # what the workers are on, oldest first
+    executor: str = ""  # what worker_method="auto" decided, and the figures behind it
 
     def __str__(self) -> str:
         header = (
@@ -62,7 +68,8 @@ class LoaderStats:
             f"bottleneck: {self.bottleneck or '-'}: {self.suggestion}",
         ]
         busy = [f"in flight: {task}" for task in self.in_flight]
-        return "\n".join([header, *rows, *footer, *busy])
+        executor = [f"executor: {self.executor}"] if self.executor else []
+        return "\n".join([header, *rows, *footer, *executor, *busy])
 
 
 def diagnose(
@@ -149,6 +156,8 @@ class StatsProbe:
         self.budget = budget
         self.processes = processes  # worker_method="process": the CPU stage waits on processes
         self.stages: list[StageStats] = []
+        self.decision: Decision | None = None  # worker_method="auto": decided in an earlier pass
+        self.switch: Switch | None = None  # worker_method="auto": deciding in this pass
 
     def report(self) -> LoaderStats:
         stages = [self._kind(stats.report()) for stats in self.stages]
@@ -156,12 +165,28 @@ class StatsProbe:
         bottleneck, suggestion = diagnose(stages, batches, waiting)
         skipped = list(self.budget.failures)
         busy = in_flight(self.stages)
-        return LoaderStats(stages, batches, waiting, skipped, bottleneck, suggestion, busy)
+        return LoaderStats(
+            stages, batches, waiting, skipped, bottleneck, suggestion, busy, self._executor()
+        )
+
+    def _executor(self) -> str:
+        """What ``"auto"`` decided, or that it is still measuring."""
+        decision = self.switch.decision if self.switch is not None else None
+        decision = decision or self.decision
+        if decision is not None:
+            return str(decision)
+        if self.switch is not None:
+            return "worker_method='auto' is measuring the first batches on threads"
+        return ""
+
+    def _moved(self) -> bool:
+        switch = self.switch
+        return self.processes or (switch is not None and switch.route == PROCESS)
 
     def _kind(self, report: StageReport) -> StageReport:
         """A stage whose threads each wait on a worker process is a ``process`` stage: its
         threads' CPU share says nothing about the work, which happens in the processes."""
-        if self.processes and report.name in PROCESS_STAGES:
+        if self._moved() and report.name in PROCESS_STAGES:
             return dataclasses.replace(report, kind="process", cpu_share=0.0)
         return report
 

@@ -1,0 +1,450 @@
+"""``worker_method="auto"``: the rule on measured inputs, the measurement on real stages, and the
+switch end to end (every sample once, in torch's order, the stage where the rule put it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import threading
+import time
+
+import pytest
+import torch
+from index_datasets import Indices
+from torch.utils.data import Dataset, IterableDataset
+
+import torch_spdl
+from torch_spdl import auto
+from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision, Measured, Tally, Trial, decide
+from torch_spdl.switch import Switch
+
+
+def measured(
+    stage_wait: float = 0.0,
+    gil_wait_us: float = 0.0,
+    consumer_cpu: float = 0.5,
+    consumer_wait: float = 0.0,
+    busy_cores: float = 3.0,
+    batch_cpu_ms: float = 20.0,
+    workers: int = 4,
+) -> Measured:
+    """Figures as a trial of 100 batches over 1 s would report them, with 100 knocks."""
+    cpu = batch_cpu_ms / 1e3 * 100
+    stage = Tally(wall=cpu / (1 - stage_wait), cpu=cpu, queue=0.0, count=100)
+    consumer = Tally(wall=consumer_cpu / (1 - consumer_wait), cpu=consumer_cpu, queue=0.0, count=50)
+    knocks = Tally(wall=0.1 + gil_wait_us * 1e-4, cpu=0.1, queue=0.0, count=100)  # 1 ms each
+    process_cpu = busy_cores + consumer_cpu  # the loader's cores and the training loop's
+    return Measured(stage, consumer, 1.0, process_cpu, workers, 1.0, 1.0, knocks)
+
+
+FIELDS = [field.name for field in dataclasses.fields(Measured)]  # knocks last
+
+
+# -- the rule ---------------------------------------------------------------------------------
+def test_a_stage_whose_threads_wait_for_the_gil_goes_to_processes():
+    decision = decide(measured(stage_wait=0.5), cpus=16)
+    assert decision.executor == PROCESS
+    assert "wait for the GIL" in decision.reason and "waited for the GIL 50%" in str(decision)
+
+
+def test_a_stage_that_slows_the_training_loop_goes_to_processes():
+    decision = decide(measured(stage_wait=0.05, gil_wait_us=150), cpus=16)
+    assert decision.executor == PROCESS
+    assert "slows the training loop" in decision.reason
+    assert "waited 150 µs for it on average" in str(decision)
+
+
+def test_a_training_loop_that_waits_for_the_gil_sends_the_stage_to_processes():
+    """Its steps spent 15 % of their time off the CPU without waiting for one: the GIL."""
+    decision = decide(measured(stage_wait=0.05, consumer_wait=0.15), cpus=16)
+    assert decision.executor == PROCESS and "slows the training loop" in decision.reason
+    assert "waited for the GIL 15% of its steps" in str(decision)
+    assert decide(measured(stage_wait=0.05, consumer_wait=0.05), cpus=16).executor == THREAD
+
+
+def test_a_stage_the_gil_does_not_bind_stays_on_threads():
+    decision = decide(measured(stage_wait=0.05, gil_wait_us=5), cpus=16)
+    assert (decision.executor, decision.reason) == (THREAD, "the GIL does not bind it")
+
+
+def test_a_loop_that_needs_no_gil_is_not_slowed_by_the_stage():
+    """A loop that only hands batches on (on a CPU 1 % of its time) loses nothing to the GIL."""
+    decision = decide(measured(stage_wait=0.05, gil_wait_us=100, consumer_cpu=0.01), cpus=16)
+    assert decision.executor == THREAD
+
+
+def test_a_probe_that_saw_too_little_says_nothing():
+    figures = measured(stage_wait=0.05, gil_wait_us=100)
+    figures = Measured(
+        *[getattr(figures, f) for f in FIELDS[:-1]],
+        Tally(auto.MIN_KNOCK_S / 2, 0.0001, 0.0, 2),
+    )
+    assert figures.gil_wait_s == 0.0 and figures.gil_busy == 0.0
+    assert decide(figures, cpus=16).executor == THREAD
+
+
+def test_a_gil_that_is_rarely_free_sends_the_stage_to_processes():
+    """Threads that hold the GIL for whole tasks wait for it between them, outside the tasks'
+    figures; a probe that waits for it most of its time says so, whatever the loop needs."""
+    starved = measured(stage_wait=0.0, gil_wait_us=3000, consumer_cpu=0.01)
+    assert starved.gil_busy == pytest.approx(0.75)
+    assert decide(starved, cpus=16).executor == PROCESS
+    # a few long knocks are enough: a starved probe knocks rarely
+    few = Measured(*[getattr(starved, f) for f in FIELDS[:-1]], Tally(0.03, 0.0, 0.0, 3))
+    assert few.gil_busy == 1.0 and decide(few, cpus=16).executor == PROCESS
+
+
+def test_an_io_stage_stays_on_threads():
+    """Time off the CPU in a process that keeps no core busy is I/O, not the GIL."""
+    decision = decide(measured(stage_wait=0.9, busy_cores=0.1), cpus=16)
+    assert decision.executor == THREAD
+    assert "I/O" in decision.reason
+    # the training loop's own CPU is not the loader's: a busy loop does not make I/O GIL-bound
+    busy_loop = measured(stage_wait=0.9, busy_cores=0.1, consumer_cpu=0.9, batch_cpu_ms=0.1)
+    assert busy_loop.busy_cores == pytest.approx(0.1)
+    assert decide(busy_loop, cpus=16).executor == THREAD
+
+
+def test_threads_that_keep_one_core_busy_take_turns_on_the_gil():
+    """A thread waiting for the GIL may never start a task, so its wait is not in the tasks'
+    figures: the process's one busy core says it."""
+    turns = measured(stage_wait=0.01, busy_cores=1.05)
+    assert turns.takes_turns
+    assert decide(turns, cpus=16).executor == PROCESS
+    assert decide(turns, cpus=1).executor == THREAD
+    assert not measured(stage_wait=0.01, busy_cores=1.05, workers=1).takes_turns
+
+
+def test_a_cheap_gil_bound_batch_runs_inline_where_it_can():
+    figures = measured(stage_wait=0.6, batch_cpu_ms=0.2)
+    assert decide(figures, cpus=16).executor == INLINE
+    assert decide(figures, cpus=16, inline_possible=False).executor == PROCESS
+
+
+def test_what_keeps_a_gil_bound_stage_on_threads():
+    bound = measured(stage_wait=0.6)
+    assert decide(bound, gil_enabled=False, cpus=16).executor == THREAD
+    assert decide(bound, cpus=1).executor == THREAD
+    no = decide(bound, cpus=16, no_processes="max_failures needs hooks")
+    assert (no.executor, no.reason.endswith("but max_failures needs hooks")) == (THREAD, True)
+    # 100 tasks of 20 ms on 4 threads: half a second left, too little to start processes for
+    short = decide(bound, cpus=16, remaining_tasks=100)
+    assert (short.executor, short.final) == (THREAD, False)
+    assert decide(bound, cpus=16, remaining_tasks=100_000).executor == PROCESS
+
+
+# -- the measurement --------------------------------------------------------------------------
+def python_work(task: int) -> int:
+    total = 0
+    for k in range(20_000):
+        total += k
+    return task
+
+
+def sleep_work(task: int) -> int:
+    time.sleep(0.002)
+    return task
+
+
+_BLOB = os.urandom(1 << 20)
+
+
+def native_work(task: int) -> int:
+    """CPU work that releases the GIL: hashlib does for buffers over 2 KiB."""
+    hashlib.sha256(_BLOB).digest()
+    return task
+
+
+def trial_of(work, workers: int = 2, seconds: float = 0.5) -> Measured:
+    """Run ``work`` on ``workers`` threads through a Trial for ``seconds`` while this thread acts
+    as a training loop: it waits 3 ms for each batch, then steps for 1 ms of Python."""
+    trial = Trial(workers)
+    stop = threading.Event()
+
+    def worker() -> None:
+        task = 0
+        while not stop.is_set():
+            trial.run(work, task)
+            task += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            trial.step_ended()
+            trial.consumer_waits(True)
+            time.sleep(0.003)
+            trial.consumer_waits(False)
+            trial.step_began()
+            step = time.perf_counter() + 0.001
+            while time.perf_counter() < step:
+                pass
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        trial.stop()
+    return trial.measured()
+
+
+def test_pure_python_measures_as_gil_bound():
+    figures = trial_of(python_work)
+    assert figures.busy_cores >= auto.BUSY_CORES, figures.describe()
+    decision = decide(figures, cpus=2, inline_possible=False)
+    assert decision.executor == PROCESS, str(decision)
+
+
+def test_sleeping_measures_as_io():
+    figures = trial_of(sleep_work)
+    assert figures.busy_cores < auto.BUSY_CORES, figures.describe()
+    decision = decide(figures, cpus=2)
+    assert decision.executor == THREAD, str(decision)
+
+
+def test_work_that_releases_the_gil_stays_on_threads():
+    figures = trial_of(native_work)
+    decision = decide(figures, cpus=2)
+    assert decision.executor == THREAD, str(decision)
+
+
+# -- the switch -------------------------------------------------------------------------------
+class _NoPool:
+    def __call__(self):
+        raise RuntimeError("no processes here")
+
+
+def test_processes_that_cannot_start_leave_the_stage_on_threads(no_leak):
+    trial = Trial(1)
+    switch = Switch(
+        lambda task: task * 2,
+        "fetch",
+        start=lambda worker: None,
+        make_pool=_NoPool(),
+        conclude=lambda trial: Decision(PROCESS, "test"),
+        trial=trial,
+    )
+    switch.on_start(0)
+    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    trial.consumer.count = auto.TRIAL_STEPS
+    assert [switch(task) for task in range(4)] == [0, 2, 4, 6]
+    switch.close()
+    assert switch.route == THREAD
+    assert "could not start (RuntimeError: no processes here)" in str(switch.decision)
+    assert [switch(task) for task in range(2)] == [0, 2]
+
+
+# -- end to end -------------------------------------------------------------------------------
+class PythonSamples(Dataset):
+    """Samples that hold the GIL (a Python loop), tagged with the process that made them."""
+
+    def __init__(self, n: int, loop: int) -> None:
+        self.n, self.loop = n, loop
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        total = 0
+        for k in range(self.loop):
+            total += k
+        return index, os.getpid()
+
+
+@pytest.fixture
+def quick_switch(monkeypatch):
+    """A fork server already up (a fresh one imports torch, seconds on this machine), and a
+    short pass worth a switch, so that the switch happens within a test's time."""
+    from multiprocessing import forkserver
+
+    from torch_spdl.processes import start_context
+
+    context = start_context(None, [__name__])
+    if context.get_start_method() == "forkserver":
+        forkserver.ensure_running()
+        process = context.Process(target=int)
+        process.start()
+        process.join()
+    monkeypatch.setattr(auto, "MIN_REMAINING_S", 0.5)
+
+
+def indices_of(loader) -> tuple[list[list[int]], set[int]]:
+    batches, pids = [], set()
+    for index, pid in loader:
+        batches.append(index.tolist())
+        pids.update(pid.tolist())
+    return batches, pids
+
+
+def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch, no_child_left):
+    dataset = PythonSamples(3000, 20_000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
+    loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2)
+    assert loader.worker_method == "auto"
+    got, pids = indices_of(loader)
+    assert got == expected
+    executor = loader.stats().executor
+    assert executor.startswith("worker_method='auto' chose process"), executor
+    assert pids - {os.getpid()}, "no batch came from a worker process"
+    # the next pass starts in processes: every batch from a worker process
+    got, pids = indices_of(loader)
+    assert got == expected and os.getpid() not in pids
+    assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_switch_in_completion_order_loses_and_repeats_nothing(
+    quick_switch, no_child_left, decides, persistent
+):
+    decides(PROCESS)
+    dataset = PythonSamples(3000, 20_000)
+    loader = torch_spdl.DataLoader(
+        dataset, batch_size=8, num_workers=2, in_order=False, persistent_workers=persistent
+    )
+    for _ in range(2):  # the second pass starts in processes (persistent: goes on in them)
+        got, pids = indices_of(loader)
+        assert sorted(i for batch in got for i in batch) == list(range(3000))
+        assert pids - {os.getpid()}
+    assert "chose process" in loader.stats().executor
+
+
+def test_cheap_gil_bound_batches_run_inline_with_torchs_batches(no_leak):
+    """A million samples (about a second): the trial needs its 0.3 s, and most batches come
+    after it. torch's loader gives ``arange`` in batches of 64; its first batches are checked."""
+    n = 1_000_003  # the last batch is short, as torch's is
+    dataset = Indices(n)
+    torchs = list(itertools.islice(torch.utils.data.DataLoader(dataset, batch_size=64), 100))
+    loader = torch_spdl.DataLoader(dataset, batch_size=64, num_workers=2)
+    got = list(loader)
+    assert all(torch.equal(a, b) for a, b in zip(got[:100], torchs, strict=True))
+    assert [len(batch) for batch in got] == [64] * (n // 64) + [n % 64]
+    assert torch.equal(torch.cat(got), torch.arange(n))
+    executor = loader.stats().executor
+    assert executor.startswith("worker_method='auto' chose inline"), executor
+
+
+class Raises(Dataset):
+    def __len__(self) -> int:
+        return 200_000
+
+    def __getitem__(self, index: int) -> int:
+        if index == 150_000:
+            raise KeyError(index)
+        return index
+
+
+@pytest.fixture
+def decides(monkeypatch):
+    """Make ``"auto"`` decide as the test says once its trial ends, whatever it measured: the
+    switch's own behaviour, apart from what a busy test machine measures."""
+
+    def set_executor(executor: str) -> None:
+        def fixed(measured, **_):
+            return Decision(executor, "the test decided", measured)
+
+        monkeypatch.setattr(torch_spdl.dataloader, "decide", fixed)
+        monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
+
+    return set_executor
+
+
+def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides):
+    decides(INLINE)
+    loader = torch_spdl.DataLoader(Raises(), batch_size=64, num_workers=2)
+    seen = 0
+    where = r"in stage 'fetch' for dataset index 150000 \(in the training loop's thread\)"
+    with pytest.raises(KeyError, match=where) as error:
+        for batch in loader:
+            seen += len(batch)
+    assert seen == 149_952
+    assert "chose inline" in loader.stats().executor, loader.stats().executor
+    del error
+
+
+class Hashes(Dataset):
+    def __len__(self) -> int:
+        return 3000
+
+    def __getitem__(self, index: int) -> int:
+        native_work(index)
+        return index
+
+
+def test_a_stage_that_releases_the_gil_stays_on_threads(no_leak):
+    loader = torch_spdl.DataLoader(Hashes(), batch_size=4, num_workers=2)
+    assert torch.cat(list(loader)).tolist() == list(range(3000))
+    executor = loader.stats().executor
+    assert executor.startswith("worker_method='auto' chose thread"), executor
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return iter(range(info.id, 40, info.num_workers))
+
+
+def test_an_iterable_stays_on_threads_and_says_so(no_leak):
+    loader = torch_spdl.DataLoader(Stream(), batch_size=None, num_workers=2)
+    assert sorted(loader) == list(range(40))
+    assert "IterableDataset's streams stay where they start" in loader.stats().executor
+
+
+def test_thread_fixes_the_choice(no_leak):
+    loader = torch_spdl.DataLoader(
+        Indices(100_000), batch_size=64, num_workers=2, worker_method="thread"
+    )
+    assert len(list(loader)) == -(-100_000 // 64)
+    assert loader.stats().executor == ""
+
+
+# -- a script without a main guard --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("source", "guarded"),
+    [
+        ("import torch\nif __name__ == '__main__':\n    main()\n", True),
+        ("if '__main__' == __name__:\n    main()\n", True),
+        ("import torch\nfor batch in loader:\n    step(batch)\n", False),
+        ("def main():\n    if __name__ == '__main__':\n        pass\n", False),  # not top level
+    ],
+)
+def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
+    tmp_path, monkeypatch, source, guarded
+):
+    import types
+
+    from torch_spdl.processes import FetchJob, PoolStarter, unguarded_main
+
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    assert unguarded_main() == (None if guarded else str(script))
+    starter = PoolStarter(FetchJob(Indices(4), True, None), 2, 0, None, None, None)
+    if guarded:
+        assert starter.unsafe() is None
+    else:
+        assert "would run the main script again" in starter.unsafe()
+        # ... and "auto" says so where it would have chosen processes
+        decision = decide(measured(stage_wait=0.6), cpus=16, no_processes=starter.unsafe())
+        assert decision.executor == THREAD and "no `if __name__" in decision.reason
+    # fork starts no script: nothing to guard against
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        forked = PoolStarter(
+            FetchJob(Indices(4), True, None), 2, 0, None, multiprocessing.get_context("fork"), None
+        )
+        assert forked.unsafe() is None
+
+
+def test_no_main_file_is_safe(monkeypatch):
+    import types
+
+    from torch_spdl.processes import unguarded_main
+
+    monkeypatch.setitem(__import__("sys").modules, "__main__", types.ModuleType("__main__"))
+    assert unguarded_main() is None  # a notebook, python -c: workers import nothing

@@ -1,0 +1,441 @@
+"""``worker_method="auto"``: where a CPU stage runs, decided from what it measures on this host.
+
+Threads win where the work releases the GIL; where it holds the GIL, worker threads take turns
+with each other and with the training loop, whose Python launches the model's kernels. Which case
+a dataset is cannot be read off its type, so the stage measures itself on its first batches, run
+on its threads as usual (and delivered as usual), then picks one of three executors:
+
+- **processes** when the GIL binds: the stage's threads spend a large share of their time
+  waiting for the GIL (:data:`STAGE_WAIT`: more threads would add nothing), or they run on a CPU
+  but the process never keeps more than one core busy (:data:`ONE_CORE`: they take turns on
+  the GIL, and the ones waiting may not even get to start a task), or a thread that wants the
+  GIL now and then spends :data:`GIL_BUSY` of its time waiting for it (the GIL is rarely free:
+  every thread that needs it, the training loop's included, queues for it), or the training loop
+  needs the GIL (its steps are on a CPU at least :data:`CONSUMER_CPU` of its time) and is slowed
+  by the stage: its steps spend :data:`CONSUMER_WAIT` of their time waiting for the GIL (off the
+  CPU without waiting for one), or a thread that wants the GIL waits for it, on average,
+  :data:`GIL_WAIT_S` or more. A loop that launches ops takes the GIL back after each one, every
+  few microseconds, and pays that wait each time (CUDA's synchronisation spins on the CPU by
+  default, so a loop waiting for its GPU is on a CPU, not waiting). Either counts only while the
+  loader (the process, less the training loop's steps) keeps :data:`BUSY_CORES` cores busy, or
+  would but for other programs (its threads' time in the run queue counts as busy): time off
+  the CPU in a loader that is mostly idle is I/O, which threads do well.
+- **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
+  GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
+  process costs about as much as the work.
+- **threads** otherwise, and always with the GIL off (free-threaded Python), on one core, for a
+  stage that cannot move (an unpicklable dataset, an iterable's stream, a script without a main
+  guard) and when what is left of the pass is too short to pay for starting processes
+  (:data:`MIN_REMAINING_S`).
+
+A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
+``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
+waiting). The wait for the GIL comes from a probe thread (:class:`Knocker`, as the
+``gilknocker`` tool measures GIL contention): it sleeps :data:`KNOCK_S` at a time and counts how
+late it got the GIL back, less its time in the run queue. Only its knocks made while the
+training loop waited for a batch count, so that the loop's own use of the GIL is not taken for
+the loader's. :class:`Trial` gathers the figures; :func:`decide` is the rule, pure, so it is
+tested on measured inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGE_WAIT = 0.2  # share of a stage thread's time spent waiting for the GIL: it does not scale
+CONSUMER_CPU = 0.05  # share of its time the training loop is on a CPU: it needs the GIL
+CONSUMER_WAIT = 0.08  # share of its steps the training loop waits for the GIL (3-5 % beside
+# work that frees the GIL, 9-13 % beside PIL's on 2 cores)
+GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops is slowed
+ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
+KNOCK_S = 0.001  # how long the probe sleeps between knocks
+GIL_BUSY = 0.25  # share of the probe's time spent waiting for the GIL: it is rarely free
+MIN_KNOCK_S = 0.01  # the probe's time before its figures say anything (a starved probe knocks
+# rarely, each knock long: its time, not its count, says when enough was seen)
+BUSY_CORES = 0.7  # the loader's cores (on a CPU or queued for one) below which waiting is I/O
+INLINE_BATCH_S = 0.001  # CPU per batch under which a GIL-bound stage is cheapest in the loop
+MIN_REMAINING_S = 2.0  # work left in the pass, at thread speed, that pays for starting processes
+TRIAL_S = 0.3  # the least time the trial lasts, once it has enough tasks and steps
+TRIAL_TASKS_PER_WORKER = 2
+TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
+
+THREAD, PROCESS, INLINE = "thread", "process", "inline"
+
+
+class ThreadClock:
+    """This thread's wall, CPU and run-queue seconds, read cheaply and often.
+
+    CPU time is ``time.thread_time()`` (exact: the kernel brings it up to date when asked).
+    Run-queue time is the second field of ``/proc/thread-self/schedstat``, up to date whenever
+    the thread runs, which it does when it reads it; the file is opened once per thread (it
+    stays bound to the thread that opened it) and read with ``pread``. Without it (not Linux),
+    the run queue reads 0. (schedstat's first field, CPU time, lags by up to a scheduler tick.)
+    """
+
+    _local = threading.local()
+
+    @classmethod
+    def read(cls) -> tuple[float, float, float]:
+        fd = getattr(cls._local, "fd", None)
+        if fd is None:
+            try:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = -1
+            cls._local.fd = fd
+            # the descriptor is this thread's for good: close it when the thread ends
+            if fd >= 0:
+                cls._local.closer = _Closer(fd)
+        wall, cpu, queue = time.perf_counter(), time.thread_time(), 0.0
+        if fd >= 0:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                queue = int(os.pread(fd, 64, 0).split()[1]) / 1e9
+        return wall, cpu, queue
+
+
+class _Closer:
+    """Closes a descriptor when the thread-local that holds it goes, with its thread."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class Tally:
+    """Summed wall, CPU and run-queue seconds over ``count`` measured spans of one kind."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    queue: float = 0.0
+    count: int = 0
+
+    def add(self, begin: tuple[float, float, float], end: tuple[float, float, float]) -> None:
+        self.wall += end[0] - begin[0]
+        self.cpu += end[1] - begin[1]
+        self.queue += end[2] - begin[2]
+        self.count += 1
+
+    @property
+    def waiting_s(self) -> float:
+        """The time spent neither on a CPU nor waiting for one."""
+        return max(0.0, self.wall - self.cpu - self.queue)
+
+    @property
+    def waiting(self) -> float:
+        """The share of the wall time spent neither on a CPU nor waiting for one."""
+        return min(1.0, self.waiting_s / self.wall) if self.wall > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a trial saw: the stage's threads, the training loop's steps, the process."""
+
+    stage: Tally
+    consumer: Tally  # the training loop between a batch and its next request
+    window_s: float  # from the trial's first task to its end
+    process_cpu_s: float  # CPU time of the whole process over the window
+    workers: int
+    tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
+    consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
+    knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
+
+    @property
+    def busy_cores(self) -> float:
+        """The cores the loader kept busy: the process's CPU less the training loop's steps."""
+        if self.window_s <= 0:
+            return 0.0
+        return max(0.0, self.process_cpu_s - self.consumer.cpu) / self.window_s
+
+    @property
+    def wanted_cores(self) -> float:
+        """The cores the loader kept busy, plus those its stage threads waited for in the run
+        queue: what it would have kept busy on an idle host (other programs take cores too)."""
+        if self.window_s <= 0:
+            return 0.0
+        return self.busy_cores + self.stage.queue / self.window_s
+
+    @property
+    def stage_wait(self) -> float:
+        return self.stage.waiting
+
+    @property
+    def consumer_cpu(self) -> float:
+        """The share of its time, from its first measured step on, that the training loop was
+        on a CPU in its steps: how much it needs the GIL."""
+        if self.consumer_window_s <= 0:
+            return 0.0
+        return min(1.0, self.consumer.cpu / self.consumer_window_s)
+
+    @property
+    def consumer_wait(self) -> float:
+        """The share of its steps' time the training loop spent waiting for the GIL: off the CPU
+        without waiting for one."""
+        return self.consumer.waiting
+
+    @property
+    def gil_wait_s(self) -> float:
+        """The mean wait for the GIL of a thread that wants it now and then (0: too little seen)."""
+        if self.knocks.wall < MIN_KNOCK_S:
+            return 0.0
+        return self.knocks.waiting_s / self.knocks.count
+
+    @property
+    def gil_busy(self) -> float:
+        """The share of its time a thread that wants the GIL now and then waits for it: how
+        rarely the GIL is free (0: too little seen)."""
+        if self.knocks.wall < MIN_KNOCK_S:
+            return 0.0
+        return self.knocks.waiting
+
+    @property
+    def takes_turns(self) -> bool:
+        """Several threads on a CPU most of their task time, yet one core busy: the GIL's turns
+        (not other processes taking the cores: the threads' run-queue time says that)."""
+        wall = self.stage.wall
+        if self.workers < 2 or wall <= 0:
+            return False
+        on_cpu, queued = self.stage.cpu / wall, self.stage.queue / wall
+        return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
+
+    @property
+    def batch_cpu_s(self) -> float:
+        return self.stage.cpu / max(self.stage.count, 1) * self.tasks_per_batch
+
+    @property
+    def task_s(self) -> float:
+        """Seconds of one task on one thread, as the trial ran them."""
+        return self.stage.wall / max(self.stage.count, 1)
+
+    def describe(self) -> str:
+        return (
+            f"the stage's threads waited for the GIL {self.stage_wait:.0%} of their time; a "
+            f"thread that needs the GIL waited {self.gil_wait_s * 1e6:.0f} µs for it on average "
+            f"({self.gil_busy:.0%} of its time); "
+            f"the training loop was on a CPU {self.consumer_cpu:.0%} of its time and waited for "
+            f"the GIL {self.consumer_wait:.0%} of its steps; "
+            f"{self.busy_cores:.1f} cores busy with the loader; "
+            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self.workers} workers"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where the stage runs (``executor``: thread, process or inline), and why."""
+
+    executor: str
+    reason: str
+    measured: Measured | None = None
+    final: bool = True  # False: decided for this pass only (it was too short to move)
+
+    def __str__(self) -> str:
+        figures = "" if self.measured is None else f" ({self.measured.describe()})"
+        return f"worker_method='auto' chose {self.executor}: {self.reason}{figures}"
+
+
+def cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def decide(
+    measured: Measured,
+    *,
+    gil_enabled: bool = True,
+    cpus: int | None = None,
+    no_processes: str | None = None,
+    inline_possible: bool = True,
+    remaining_tasks: int | None = None,
+) -> Decision:
+    """The rule (see the module's docstring). ``no_processes`` says why the stage cannot move to
+    processes, if it cannot; ``remaining_tasks`` is what is left of the pass, if known."""
+    cpus = cpus or cores()
+    if not gil_enabled:
+        return Decision(THREAD, "the GIL is off (free-threaded Python)", measured)
+    io = measured.wanted_cores < BUSY_CORES
+    turns = measured.takes_turns and cpus >= 2
+    gil_busy = measured.gil_busy >= GIL_BUSY
+    stage_bound = (measured.stage_wait >= STAGE_WAIT or turns or gil_busy) and not io
+    slowed = measured.consumer_wait >= CONSUMER_WAIT or measured.gil_wait_s >= GIL_WAIT_S
+    consumer_bound = measured.consumer_cpu >= CONSUMER_CPU and slowed and not io
+    if not (stage_bound or consumer_bound):
+        why = (
+            "its threads wait on I/O, not on the GIL"
+            if io and measured.stage_wait >= STAGE_WAIT
+            else "the GIL does not bind it"
+        )
+        return Decision(THREAD, why, measured)
+    bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
+    if inline_possible and measured.batch_cpu_s < INLINE_BATCH_S:
+        return Decision(
+            INLINE,
+            f"{bound}, and a batch costs less than a hand-off to a process: "
+            "it runs in the training loop's thread",
+            measured,
+        )
+    if no_processes is not None:
+        return Decision(THREAD, f"{bound}, but {no_processes}", measured)
+    if cpus < 2:
+        return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
+    left_s = (
+        None if remaining_tasks is None else remaining_tasks * measured.task_s / measured.workers
+    )
+    if left_s is not None and left_s < MIN_REMAINING_S:
+        return Decision(
+            THREAD,
+            f"{bound}, but what is left of this pass is too short to start processes",
+            measured,
+            final=False,
+        )
+    return Decision(PROCESS, f"{bound}: worker processes", measured)
+
+
+@dataclass
+class Trial:
+    """The figures of the first tasks and training-loop steps of a pass, gathered where they
+    happen (the stage's threads, the consumer's thread) until :meth:`ready`."""
+
+    workers: int
+    tasks_per_batch: float = 1.0
+    stage: Tally = field(default_factory=Tally)
+    consumer: Tally = field(default_factory=Tally)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _began: float | None = None
+    _process_cpu: float = 0.0
+    _step_began: tuple[float, float, float] | None = None
+    _first_step: float | None = None
+    knocks: Tally = field(default_factory=Tally)
+    _knocker: Knocker | None = None
+    _stopped: bool = False
+
+    def run(self, fn: Any, task: Any) -> Any:
+        """``fn(task)`` in a stage thread, measured."""
+        if self._began is None:
+            with self._lock:
+                if self._began is None:
+                    self._process_cpu = time.process_time()
+                    self._began = time.perf_counter()
+        begin = ThreadClock.read()
+        try:
+            return fn(task)
+        finally:
+            end = ThreadClock.read()
+            with self._lock:
+                self.stage.add(begin, end)
+
+    def step_ended(self) -> None:
+        """The training loop asks for a batch: the step since the last one ends here."""
+        if self._step_began is not None:
+            self.consumer.add(self._step_began, ThreadClock.read())
+            self._step_began = None
+
+    def step_began(self) -> None:
+        """The training loop got a batch: its step begins."""
+        if self._began is not None:  # before the stage's first task there is nothing to share
+            self._step_began = ThreadClock.read()
+            if self._first_step is None:
+                self._first_step = self._step_began[0]
+
+    def consumer_waits(self, waiting: bool) -> None:
+        """The training loop starts (or stops) waiting for a batch. The probe starts with the
+        first wait once the stage has begun, and counts only knocks made during one."""
+        knocker = self._knocker
+        if knocker is None:
+            if not waiting or self._began is None:
+                return
+            with self._lock:  # a trial stopped (decided, closed) starts no probe
+                if self._stopped:
+                    return
+                knocker = self._knocker = Knocker(self.knocks)
+        if (knocker.waits % 2 == 1) != waiting:
+            knocker.waits += 1
+
+    def stop(self) -> None:
+        """Stop the probe, if it runs, and wait for its thread; none starts after this."""
+        with self._lock:
+            self._stopped = True
+            knocker = self._knocker
+        if knocker is not None:
+            knocker.stop()
+
+    def ready(self) -> bool:
+        began = self._began
+        return (
+            began is not None
+            and self.stage.count >= TRIAL_TASKS_PER_WORKER * self.workers * self.tasks_per_batch
+            and self.consumer.count >= TRIAL_STEPS
+            and time.perf_counter() - began >= TRIAL_S
+        )
+
+    def measured(self) -> Measured:
+        with self._lock:
+            now = time.perf_counter()
+            window = now - (self._began or now)
+            return Measured(
+                dataclasses.replace(self.stage),
+                dataclasses.replace(self.consumer),
+                window,
+                time.process_time() - self._process_cpu,
+                self.workers,
+                self.tasks_per_batch,
+                now - (self._first_step or now),
+                dataclasses.replace(self.knocks),
+            )
+
+
+class Knocker:
+    """A thread that sleeps :data:`KNOCK_S` at a time and adds to ``tally`` how late it got the
+    GIL back, for the knocks made entirely while the training loop waited (``waits`` is odd
+    then; the loop's thread counts it up as it starts and stops waiting)."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.waits = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torch_spdl.auto-probe")
+        self._thread.start()
+
+    def _run(self) -> None:
+        slack = 0.0 if _exact_timers() else 60e-6  # Linux's default timer slack is 50 µs
+        while not self._stopped.is_set():
+            waits, begin = self.waits, ThreadClock.read()
+            time.sleep(KNOCK_S)  # one release and one take of the GIL
+            end = ThreadClock.read()
+            if waits % 2 == 1 and self.waits == waits:
+                self.tally.add(begin, (end[0], end[1] + KNOCK_S + slack, end[2]))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _exact_timers() -> bool:
+    """Ask Linux to wake this thread on time (``PR_SET_TIMERSLACK`` of 1 ns, this thread only);
+    False where that cannot be done."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class AutoState:
+    """What ``"auto"`` decided for one loader, kept across its passes: a final decision is
+    acted on from the next pass's start and not measured again."""
+
+    decision: Decision | None = None

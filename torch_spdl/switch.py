@@ -1,0 +1,155 @@
+"""The executor behind ``worker_method="auto"``: a CPU stage that can move while it runs.
+
+The stage keeps its ``num_workers`` threads throughout; what changes is what each thread does
+with a task. During the trial it runs the task itself, measured (:class:`~torch_spdl.auto.Trial`);
+once :func:`~torch_spdl.auto.decide` has spoken, a thread either goes on doing so, or hands the
+task to the worker process it drives (the same exchange as ``worker_method="process"``), or hands
+it on unrun, as a :class:`Deferred` that the training loop's thread runs when the batch is
+delivered (what ``num_workers=0`` does). Every task is run exactly once, by whichever executor
+holds the route when a thread takes it, and the engine keeps the order: nothing is lost,
+repeated or reordered by a switch.
+
+Worker processes start in a thread of their own while the stage threads keep working, so the
+switch costs no pause; a thread binds to its process (``ProcessPool.start``) on its first task
+after the switch. The pool stops with the pipeline (:meth:`close`, from ``Pipeline.on_stop``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .auto import INLINE, PROCESS, THREAD, Decision, Trial
+from .processes import PoolStarter, ProcessPool
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A task to run in the training loop's thread when its batch is delivered."""
+
+    fn: Callable[[Any], Any]
+    task: Any
+
+    def run(self) -> Any:
+        return self.fn(self.task)
+
+
+class Switch:
+    """A stage function that runs on threads, in worker processes or inline, as decided.
+
+    ``local`` is the thread path's stage function; ``remote`` names the :class:`ProcessPool`
+    stage function that does the same in a process (``"fetch"`` or ``"preprocess"``);
+    ``make_pool`` starts the pool; ``conclude`` turns the trial's figures into a decision;
+    ``start`` is the threads' own ``on_start``. Nothing starts before the decision (a fork
+    server importing torch beside the trial would take the cores it measures).
+    """
+
+    def __init__(
+        self,
+        local: Callable[[Any], Any],
+        remote: str,
+        *,
+        start: Callable[[int], None],
+        make_pool: PoolStarter,
+        conclude: Callable[[Trial], Decision],
+        trial: Trial | None,
+        route: str = THREAD,
+    ) -> None:
+        self._local = local
+        self._remote = remote
+        self._start = start
+        self._make_pool = make_pool
+        self._conclude = conclude
+        self.trial = trial
+        self.route = route
+        self.decision: Decision | None = None
+        self._lock = threading.Lock()
+        self._ids = threading.local()  # this thread's worker id, and whether it is bound
+        self._pool: ProcessPool | None = None
+        self._starter: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._closed = False
+
+    # -- the stage's on_start and fn --------------------------------------------------------------
+    def on_start(self, worker_id: int) -> None:
+        self._ids.worker = worker_id
+        self._ids.bound = False
+        self._start(worker_id)
+
+    def __call__(self, task: Any) -> Any:
+        route = self.route
+        if route == PROCESS:
+            return self._in_process(task)
+        if route == INLINE:
+            return Deferred(self._local, task)
+        trial = self.trial
+        if trial is None:
+            return self._local(task)
+        try:
+            return trial.run(self._local, task)
+        finally:
+            if trial.ready():
+                self._decide(trial)
+
+    def _decide(self, trial: Trial) -> None:
+        with self._lock:
+            if self.trial is not trial:  # another thread decided
+                return
+            self.trial = None
+            trial.stop()
+            decision = self._conclude(trial)
+            self.decision = decision
+            if decision.executor == PROCESS:
+                self._starter = threading.Thread(
+                    target=self._start_pool, name="torch_spdl.auto-start", daemon=False
+                )
+                self._starter.start()
+            else:
+                self.route = decision.executor
+
+    def _start_pool(self) -> None:
+        """Start the worker processes; the stage threads switch to them once they are up. A
+        pool that cannot start leaves the stage on its threads, and says why in the decision."""
+        try:
+            pool = self._make_pool()
+        except Exception as error:  # an unpicklable dataset, no fork server, ...
+            self._start_error = error
+            self.decision = Decision(
+                THREAD, f"worker processes could not start ({type(error).__name__}: {error})"
+            )
+            return
+        with self._lock:
+            if self._closed:
+                pool.close()
+                return
+            self._pool = pool
+            self.route = PROCESS
+
+    def _in_process(self, task: Any) -> Any:
+        pool = self._pool
+        assert pool is not None
+        if not self._ids.bound:
+            pool.start(self._ids.worker)
+            self._ids.bound = True
+        return getattr(pool, self._remote)(task)
+
+    @property
+    def start_error(self) -> BaseException | None:
+        """Why worker processes could not start, if they could not."""
+        return self._start_error
+
+    def close(self) -> None:
+        """Stop the worker processes (and wait for a start under way): on every pipeline stop."""
+        with self._lock:
+            self._closed = True
+            starter, trial = self._starter, self.trial
+        if trial is not None:
+            trial.stop()
+        if starter is not None and starter is not threading.current_thread():
+            starter.join()
+        with self._lock:
+            pool = self._pool
+        if pool is not None:
+            pool.close()
