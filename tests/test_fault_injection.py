@@ -47,11 +47,13 @@ MODES = {  # mode: (loader keywords, the stages a fault may hit)
         ["getitem", "collate", "sampler", "worker_init"],
     ),
     "process-hooks": ({"num_workers": 2, "worker_method": "process"}, ["load", "preprocess"]),
+    "process-async": ({"num_workers": 2, "worker_method": "process"}, ["load", "preprocess"]),
     "process-iterable": ({"num_workers": 2, "worker_method": "process"}, ["iter"]),
 }
 IN_A_WORKER_PROCESS = {  # the stages that run in a worker process, where SIGKILL may hit
     "processes": {"getitem", "collate", "worker_init"},
     "process-hooks": {"preprocess"},
+    "process-async": {"preprocess"},
     "process-iterable": {"iter"},
 }
 
@@ -163,7 +165,7 @@ def draw(seed: int) -> tuple[str, Fault, dict]:
     kwargs, stages = MODES[mode]
     stage = rng.choice(stages)
     kinds = ["Exception", "SystemExit", "Abort"]
-    if mode == "async" and stage == "load":
+    if mode in ("async", "process-async") and stage == "load":
         kinds.append("CancelledError")
     if stage in IN_A_WORKER_PROCESS.get(mode, ()):
         kinds.append("SIGKILL")
@@ -181,7 +183,7 @@ def make_loader(mode: str, fault: Fault, kwargs: dict) -> DataLoader:
         dataset = Stream(fault)
     elif mode in ("hooks", "process-hooks"):
         dataset = StagedItems(fault)
-    elif mode == "async":
+    elif mode in ("async", "process-async"):
         dataset = AsyncItems(fault)
     else:
         dataset = Items(fault)
@@ -231,3 +233,13 @@ def test_every_fault_ends_in_all_samples_or_an_error_naming_it(seed):
     if fault.stage in ("getitem", "load", "preprocess", "collate"):
         # a sample's fault fails its batch only (a killed worker's too: it is replaced)
         assert len(errors) == 1 and N - len(delivered) <= kwargs["batch_size"], context
+    elif fault.stage == "sampler":
+        # the epoch ends at the error, after every batch sampled before it (as num_workers=0)
+        sampled = list(range(fault.at - fault.at % kwargs["batch_size"]))
+        got = delivered if kwargs.get("in_order", True) else sorted(delivered)
+        assert got == sampled, context
+    elif fault.stage == "iter":
+        # the failing worker's stream ends; every other worker's arrives whole
+        workers = kwargs["num_workers"]
+        others = {i for i in range(N) if i % workers != fault.at % workers}
+        assert others <= set(delivered), context
