@@ -7,8 +7,12 @@ torch_spdl with names removed from torch, as a future torch release would remove
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import multiprocessing.forkserver
+import re
 import threading
+import types
 from collections import namedtuple
 
 import numpy as np
@@ -18,7 +22,7 @@ import torch.utils.data as tud
 from subprocesses import run_python
 
 import torch_spdl
-from torch_spdl import compat
+from torch_spdl import compat, processes, workers
 
 
 @pytest.fixture
@@ -171,6 +175,126 @@ def test_get_worker_info_is_torchs_own_function_changed_in_place():
     assert [b.item() for b in tud.DataLoader(Records(), num_workers=1)] == [0, 1, 2, 3]
 
 
+# -- private attributes and names outside torch's modules -----------------------------------------
+def test_a_random_sampler_without_its_private_num_samples_draws_torchs_indices(monkeypatch):
+    """A torch whose RandomSampler keeps ``num_samples`` under another name: the replica torch_spdl
+    runs for it (resume.py) reads the public property, and draws what torch's loader draws."""
+    init = tud.RandomSampler.__init__
+
+    def renamed(self, data_source, replacement=False, num_samples=None, generator=None):
+        init(self, data_source, replacement, num_samples, generator)
+        self._kept = self.__dict__.pop("_num_samples")
+
+    public = property(lambda self: getattr(self, "_kept", None) or len(self.data_source))
+    monkeypatch.setattr(tud.RandomSampler, "__init__", renamed)
+    monkeypatch.setattr(tud.RandomSampler, "num_samples", public)
+    sampler = tud.RandomSampler(range(10), num_samples=25)
+    assert not hasattr(sampler, "_num_samples")
+    assert compat.random_sampler_num_samples(sampler) == 25
+    batches = []
+    for loader_type in (tud.DataLoader, torch_spdl.DataLoader):
+        torch.manual_seed(0)
+        batches.append([b.tolist() for b in loader_type(range(10), sampler=sampler, batch_size=4)])
+    assert batches[0] == batches[1]
+    assert sum(map(len, batches[1])) == 25
+
+
+OPENMP = pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info(),
+    reason="torch's parallel backend is not OpenMP: worker threads keep torch's thread count",
+)
+
+
+@pytest.fixture
+def omp_lookup(monkeypatch):
+    """torch's ``omp_set_num_threads`` looked up afresh, with two threads a kernel by default (on
+    a one-core machine too, so that a thread left with torch's count shows); restored after."""
+    threads = torch.get_num_threads()
+    workers._omp_set_num_threads.cache_clear()
+    torch.set_num_threads(2)
+    yield
+    monkeypatch.undo()
+    workers._omp_set_num_threads.cache_clear()
+    torch.set_num_threads(threads)
+
+
+def kernel_threads_of_a_worker_thread() -> int:
+    """``torch.get_num_threads()`` in a new thread set up as torch_spdl's worker threads are."""
+    seen = []
+
+    def run():
+        workers.single_threaded_kernels()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+@OPENMP
+def test_without_torchs_extension_path_worker_threads_still_run_kernels_alone(
+    monkeypatch, omp_lookup
+):
+    """``torch._C.__file__`` gone: torch's CPU library gives the same OpenMP runtime."""
+    primary = workers._omp_set_num_threads()
+    workers._omp_set_num_threads.cache_clear()
+    monkeypatch.setattr(workers, "torch_extension_file", None)
+    fallback = workers._omp_set_num_threads()
+    assert fallback is not None and address(fallback) == address(primary)
+    assert kernel_threads_of_a_worker_thread() == 1
+    assert torch.get_num_threads() == 2  # the main thread keeps its count
+
+
+@OPENMP
+def test_without_torchs_openmp_runtime_worker_threads_warn_once(monkeypatch, omp_lookup):
+    monkeypatch.setattr(workers, "_torch_libraries", lambda: [])
+    with pytest.warns(RuntimeWarning) as caught:
+        assert kernel_threads_of_a_worker_thread() == 2
+        assert kernel_threads_of_a_worker_thread() == 2
+    said = [str(w.message) for w in caught if "OpenMP" in str(w.message)]
+    assert len(said) == 1
+    assert re.search(f"no OpenMP runtime in torch {re.escape(torch.__version__)}", said[0])
+
+
+def test_a_worker_process_publishes_its_info_to_every_thread_without_torchs_global(monkeypatch):
+    """A torch that keeps its worker info elsewhere than ``_worker_info``: threads the dataset
+    starts in a worker process still see the process's WorkerInfo."""
+    monkeypatch.setattr(workers, "torch_worker_module", types.SimpleNamespace())
+    monkeypatch.setattr(workers._ThreadState, "info", None)
+    monkeypatch.setattr(workers._thread_state, "info", None, raising=False)
+    info = workers.worker_info(None, 1, 2, 5, "multiprocessing")
+    workers.set_process_worker_info(info)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tud.get_worker_info()))
+    thread.start()
+    thread.join()
+    assert seen == [info] and tud.get_worker_info() is info
+    assert tud._utils.worker._worker_info is None  # torch's own global, untouched here
+
+
+def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monkeypatch):
+    """The standard library's private ``_forkserver._preload_modules``, read back; without it (or
+    without ``_forkserver``), the list a fork server starts with."""
+    server = multiprocessing.forkserver._forkserver
+    monkeypatch.setattr(server, "_preload_modules", ["__main__", "numpy"])
+    assert compat.forkserver_preload() == ["__main__", "numpy"]
+    assert processes._forkserver_preload(["numpy", "x"]) == [
+        "__main__",
+        "numpy",
+        "torch_spdl.processes",
+        "x",
+    ]
+    monkeypatch.delattr(server, "_preload_modules")
+    assert compat.forkserver_preload() == ["__main__"]
+    monkeypatch.delattr(multiprocessing.forkserver, "_forkserver")
+    assert processes._forkserver_preload(["x"]) == ["__main__", "torch_spdl.processes", "x"]
+
+
 # -- fresh interpreters ----------------------------------------------------------------------------
 SMOKE = """
 import warnings
@@ -223,6 +347,77 @@ def run_without(names: list[str], code: str) -> str:
         for module, attribute in (name.rsplit(".", 1) for name in names)
     )
     return run_python("-c", removal + code).strip()
+
+
+EACH_IN_TURN = """
+import importlib, sys
+import torch, torch.utils.data as tud
+
+torch.set_num_threads(2)  # a worker thread left with torch's count shows, on one core too
+OPENMP = "OpenMP" in torch.__config__.parallel_info()
+
+def fresh_torch_spdl():
+    for name in [m for m in sys.modules if m == "torch_spdl" or m.startswith("torch_spdl.")]:
+        del sys.modules[name]
+    return importlib.import_module("torch_spdl")
+
+def run(spdl):
+    kernel_threads = set()
+
+    class Items(tud.Dataset):
+        def __len__(self):
+            return 6
+        def __getitem__(self, index):
+            kernel_threads.add(torch.get_num_threads())
+            if index == 5:
+                raise KeyError(f"bad {index}")
+            return index
+
+    class Staged(spdl.StagedDataset):
+        def __len__(self):
+            return 6
+        def load(self, index):
+            return index
+        def preprocess(self, raw):
+            return raw * 2
+
+    class Stream(tud.IterableDataset):
+        def __iter__(self):
+            info = tud.get_worker_info()
+            return iter(range(info.id, 6, info.num_workers))
+
+    def batches(dataset):
+        try:
+            return [b.tolist() for b in spdl.DataLoader(dataset, batch_size=2, num_workers=2)]
+        except KeyError as error:
+            return "KeyError" if "bad 5" in str(error) else str(error)
+
+    got = [batches(Items()), batches(Staged()), sorted(x for b in batches(Stream()) for x in b)]
+    return got + [kernel_threads == {1} or not OPENMP]
+
+results = {}
+for ours, (module, attribute) in sorted(PRIVATE_NAMES.items()):
+    owner = importlib.import_module(module)
+    kept = owner.__dict__.pop(attribute, None)
+    try:
+        spdl = fresh_torch_spdl()
+        fell_back = getattr(spdl.compat, ours) is spdl.compat.FALLBACKS[ours]
+        results[ours] = [fell_back, *run(spdl)]
+    finally:
+        if kept is not None:
+            setattr(owner, attribute, kept)
+print(results)
+"""
+
+
+def test_each_private_name_removed_in_turn_leaves_a_loader_with_threads_working():
+    """One fresh interpreter: for each name, torch without it and torch_spdl imported again, then
+    errors, hooks, sharding by ``get_worker_info()`` and single-threaded kernels in worker
+    threads. (Worker processes run with all names removed at once, below.)"""
+    names = dict(compat.PRIVATE_NAMES)
+    out = run_python("-c", f"PRIVATE_NAMES = {names!r}\n" + EACH_IN_TURN).strip()
+    working = [True, "KeyError", [[0, 2], [4, 6], [8, 10]], [0, 1, 2, 3, 4, 5], True]
+    assert out == repr({ours: working for ours in sorted(names)})
 
 
 def test_torch_spdl_runs_without_any_of_the_private_names_it_can_replace():

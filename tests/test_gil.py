@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import sysconfig
 import types
 import warnings
 
 import pytest
+from subprocesses import run_python
 
 import torch_spdl
 from torch_spdl import gil
@@ -68,7 +71,32 @@ def test_no_warning_where_the_gil_is_as_the_interpreter_was_built(
 
 
 def test_the_interpreter_is_seen_as_it_is():
-    """On the CI's free-threaded leg: a free-threaded build, with the GIL off."""
-    built_free = "free-threading build" in sys.version
-    assert gil.free_threaded_build() == built_free
-    assert gil.gil_enabled() == (sys._is_gil_enabled() if built_free else True)
+    """gil's answers against what the interpreter says of itself: its build configuration, its
+    version string (which names a free-threading build) and, from 3.13, ``sys._is_gil_enabled()``;
+    a build with the GIL has it on, always."""
+    built_free = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+    assert ("free-threading build" in sys.version) is built_free
+    assert gil.free_threaded_build() is built_free
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    assert gil.gil_enabled() is (True if is_enabled is None else is_enabled())
+    assert gil.gil_enabled() or built_free
+
+
+KEEPS_THE_GIL_OFF = """
+import sys
+import torch_spdl
+from torch_spdl import gil
+
+batches = list(torch_spdl.DataLoader(range(8), batch_size=2, num_workers=2))
+print(len(batches), sys._is_gil_enabled(), gil.gil_enabled())
+"""
+
+
+@pytest.mark.skipif(
+    not sysconfig.get_config_var("Py_GIL_DISABLED"), reason="a build with the GIL: it stays on"
+)
+@pytest.mark.skipif("PYTHON_GIL" in os.environ, reason="PYTHON_GIL decides, not the imports")
+def test_a_free_threaded_python_keeps_its_gil_off_through_torch_spdl():
+    """On the CI's free-threaded leg: importing torch_spdl (torch, numpy, PIL with it) and running
+    a loader with threads leave the GIL off, in a fresh interpreter as a script starts."""
+    assert run_python("-c", KEEPS_THE_GIL_OFF).split() == ["4", "False", "False"]

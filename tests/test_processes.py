@@ -15,6 +15,9 @@ import pickle
 import random
 import re
 import signal
+import sys
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -519,6 +522,41 @@ def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, cho
     context = processes.start_context(None)
     assert context.get_start_method() == ("forkserver" if chosen in (None, "fork") else chosen)
     assert processes.start_context(CONTEXT) is CONTEXT
+
+
+FORKED_FROM_HERE = False
+"""True in this process while a test runs: a worker forked from it inherits True; one started from
+a fork server (or spawned) imports this module afresh and reads False."""
+
+
+class ForkedFromHere(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return FORKED_FROM_HERE
+
+
+def test_process_workers_are_not_forked_from_this_threaded_process(monkeypatch):
+    """Regression: ``worker_method="process"`` with ``multiprocessing_context=None`` in a program
+    that set no start method forks no process that runs threads (Python >= 3.12 warns: "use of
+    fork() may lead to deadlocks in the child"). The warning is recorded, not made an error: an
+    error there is cleared by Python (os.fork cannot fail after the child exists). Where the
+    warning does not exist (Python < 3.12), :data:`FORKED_FROM_HERE` shows the start method used
+    was not ``fork``; it holds on every version."""
+    monkeypatch.setattr(sys.modules[__name__], "FORKED_FROM_HERE", True)
+    stop = threading.Event()
+    program = threading.Thread(target=stop.wait)  # the program's own thread, beside the loader's
+    program.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = list(ours(ForkedFromHere(), num_workers=2, batch_size=None))
+    finally:
+        stop.set()
+        program.join()
+    assert [str(w.message) for w in caught if "fork()" in str(w.message)] == []
+    assert got == [False] * 4
 
 
 def test_an_unpicklable_dataset_says_how_to_start_by_fork():

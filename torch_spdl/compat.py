@@ -5,7 +5,14 @@ private names: how a worker's exception is carried and re-raised, how a batch is
 worker process seeds numpy. Each such name is looked up here and nowhere else. Where a torch
 release no longer has one, the fallback below takes its place: a copy of torch's code as of 2.15,
 or a safe default (a no-op for signal handlers and thread names, "the profiler may be on" for the
-profiler check). ``tests/test_compat.py`` removes each name in turn and runs a loader without it.
+profiler check). ``tests/test_compat.py`` checks each fallback against torch's own code, and in
+one fresh interpreter removes each name in turn from torch, imports torch_spdl again and runs a
+loader with worker threads without it; then it removes all of them at once and runs threads and
+forked worker processes.
+
+Private *attributes* are read here too, through functions with a fallback: the ``num_samples`` a
+``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
+the modules the fork server preloads (:func:`forkserver_preload`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -258,6 +265,10 @@ torch_worker_module: Any = _private(
 )
 """The module whose global ``_worker_info`` torch's ``get_worker_info()`` returns."""
 
+torch_extension_file: str | None = _private("torch_extension_file", "torch._C", "__file__", None)
+"""The path of torch's extension module, where the OpenMP runtime torch runs its kernels on is
+looked up (``torch_spdl.workers.single_threaded_kernels``); None where torch does not say."""
+
 profiler_enabled: Callable[[], bool] = _private(
     "profiler_enabled", "torch.autograd", "_profiler_enabled", lambda: True
 )
@@ -323,3 +334,26 @@ def iterator_error(message: str) -> AssertionError:
 def is_iterable(dataset: Any) -> bool:
     """Whether torch's loader treats ``dataset`` as a stream (its ``_DatasetKind.Iterable``)."""
     return isinstance(dataset, IterableDataset)
+
+
+# -- private attributes ----------------------------------------------------------------------------
+def random_sampler_num_samples(sampler: Any) -> int | None:
+    """The ``num_samples`` a ``RandomSampler`` was built with (None: the dataset's length at each
+    pass), to build a replica that draws the same indices. torch keeps it in the private
+    ``_num_samples``; where a release does not, the public ``num_samples`` property stands in for
+    it: torch's ``__iter__`` reads only the property, so the replica's indices are the same."""
+    try:
+        return sampler._num_samples
+    except AttributeError:
+        return sampler.num_samples
+
+
+def forkserver_preload() -> list[str]:
+    """The modules the fork server is set to preload. The standard library sets them
+    (``set_forkserver_preload``) but has no way to read them back, so this reads its private
+    ``multiprocessing.forkserver._forkserver._preload_modules``; where a Python has neither name,
+    the list a fork server starts with, the main module."""
+    import multiprocessing.forkserver
+
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    return list(getattr(server, "_preload_modules", ["__main__"]))

@@ -61,6 +61,7 @@ from .compat import (
     MP_STATUS_CHECK_INTERVAL,
     ExceptionWrapper,
     ManagerWatchdog,
+    forkserver_preload,
     is_iterable,
     numpy_seed,
     set_thread_name,
@@ -445,7 +446,10 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     So workers start from a fork server, Python 3.14's default on Linux: a fresh interpreter that
     imports torch and this module once, from which each worker is forked in milliseconds. A
     program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
-    keeps its choice; a chosen ``fork`` cannot be told from the default, which is ``fork`` too.
+    keeps its choice. A chosen ``fork`` cannot be told from the default: multiprocessing reads
+    as having chosen ``fork`` once anything used its default context (a ``Queue()``, torch's own
+    loader with workers), so forking on it would fork threaded processes in most programs; ask
+    for it with ``multiprocessing_context="fork"``.
     Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
     the worker, which therefore needs an ``if __name__ == "__main__":`` guard. ``preload`` names
     the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
@@ -500,14 +504,10 @@ def _is_main_test(test: ast.expr) -> bool:
 
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     """The fork server's preload list (the main script, by default) with this module and
-    ``extra`` added, so that workers start with torch imported. Read through a private name of
-    the standard library, with its default where that is gone. It counts only where the server
-    has not started yet: a running server keeps what it has."""
-    import multiprocessing.forkserver
-
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    current = getattr(server, "_preload_modules", None) or ["__main__"]
-    return list(dict.fromkeys([*current, __name__, *extra]))
+    ``extra`` added, so that workers start with torch imported (the list is read through a
+    private name of the standard library, see :func:`~torch_spdl.compat.forkserver_preload`).
+    It counts only where the server has not started yet: a running server keeps what it has."""
+    return list(dict.fromkeys([*forkserver_preload(), __name__, *extra]))
 
 
 def modules_of(job: Any) -> list[str]:

@@ -51,7 +51,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .compat import is_iterable
+from .compat import is_iterable, random_sampler_num_samples
 from .sampling import AutoEpochSampler
 
 STATE_VERSION = 1
@@ -222,7 +222,10 @@ class _Replay:
             generator = torch.Generator()
             generator.manual_seed(seed)
             replica = RandomSampler(
-                sampler.data_source, sampler.replacement, sampler._num_samples, generator
+                sampler.data_source,
+                sampler.replacement,
+                random_sampler_num_samples(sampler),
+                generator,
             )
             return iter(replica)
         if saved is not None:

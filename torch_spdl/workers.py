@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
+import os
 import random
 import sys
 import threading
@@ -26,9 +28,18 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .compat import RNG, WORKER_INFO_FIELDS, WorkerInfo, torch_worker_module
+from .compat import RNG, WORKER_INFO_FIELDS, WorkerInfo, torch_extension_file, torch_worker_module
 
-_thread_state = threading.local()
+
+class _ThreadState(threading.local):
+    """``info``: a worker thread's own WorkerInfo. The class attribute is what every other thread
+    sees: None, except in a worker process, where :func:`set_process_worker_info` makes it the
+    process's, so that threads its dataset starts see it whatever torch calls its own global."""
+
+    info: Any = None
+
+
+_thread_state = _ThreadState()
 
 _THREAD_AWARE_SOURCE = """
 def get_worker_info():
@@ -130,13 +141,33 @@ def single_threaded_kernels() -> None:
 
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], Any] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch's extension is linked with, if any."""
+    """``omp_set_num_threads`` of the OpenMP runtime torch is linked with. Where it cannot be
+    found, kernels in worker threads run on as many threads as the main thread's, which costs
+    throughput without a word: so this warns, once (the result is cached)."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    try:
-        return ctypes.CDLL(torch._C.__file__).omp_set_num_threads
-    except (OSError, AttributeError):
-        return None
+    for library in _torch_libraries():
+        try:
+            return ctypes.CDLL(library).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+    warnings.warn(
+        f"torch_spdl found no OpenMP runtime in torch {torch.__version__}'s libraries: torch "
+        "kernels in worker threads use as many threads as the main thread, which oversubscribes "
+        "the cores. torch.set_num_threads(1) avoids that if the training loop can spare them.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def _torch_libraries() -> list[str]:
+    """Libraries that resolve ``omp_set_num_threads`` to torch's OpenMP runtime: torch's extension
+    module, whose path is a private attribute (``torch._C.__file__``, see compat), and, should a
+    release not have it, torch's CPU library, which links the same runtime and is already loaded."""
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    found = sorted(glob.glob(os.path.join(folder, "*torch_cpu.*")))
+    return [torch_extension_file, *found] if torch_extension_file else found
 
 
 def worker_info(
@@ -182,9 +213,13 @@ def worker_starter(
 
 
 def set_process_worker_info(info: Any) -> None:
-    """In a worker process: publish ``info`` for this thread, and also where torch's own worker
-    processes do (the module global torch's ``get_worker_info()`` returns), so that threads the
-    dataset starts in the worker see it too."""
+    """In a worker process: publish ``info`` for every thread, so that threads the dataset starts
+    see it too. This thread's own value is replaced (a forked worker's thread inherits the
+    forking thread's); the default of all the others is :class:`_ThreadState`'s, which serves
+    them whatever torch calls its module global. That global is set too where torch has it
+    (``_worker_info``), for a reference to torch's function that torch_spdl could not make
+    thread-aware (see :func:`_replace_get_worker_info`)."""
     _thread_state.info = info
+    _ThreadState.info = info
     if hasattr(torch_worker_module, "_worker_info"):
         torch_worker_module._worker_info = info
