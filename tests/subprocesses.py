@@ -53,27 +53,59 @@ def end_job(mark: str) -> None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
-        if needle in environ:
+        if needle in environ and int(entry.name) != os.getpid():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def spawn_ranks(fn: Callable[..., None], args: tuple, ranks: int, timeout: float = 150) -> None:
+def spawn_ranks(
+    fn: Callable[..., None],
+    args: tuple,
+    ranks: int,
+    timeout: float = 150,
+    stalled: Callable[[], str | None] | None = None,
+) -> None:
     """``fn(rank, *args)`` in ``ranks`` spawned processes (``torch.multiprocessing``), failing if
-    one fails or all have not finished within ``timeout`` s; none is left running either way."""
+    one fails, if all have not finished within ``timeout`` s, or as soon as ``stalled()`` (polled
+    every second) says why they are stuck (a :class:`TimeoutError`).
+
+    None is left running either way, nor anything they started (their worker processes, a fork
+    server): the ranks are started with a job mark in their environment, which every descendant
+    inherits, and the whole job is killed at the end (:func:`end_job`).
+    """
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=args, nprocs=ranks, join=False, start_method="spawn")
+    mark = uuid.uuid4().hex
+    with _environ(JOB_MARK, mark):  # spawned children copy os.environ as it is at their start
+        context = mp.start_processes(fn, args=args, nprocs=ranks, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        while not context.join(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"the {ranks} ranks did not finish within {timeout} s")
+                raise TimeoutError(f"the {ranks} ranks did not finish within {timeout:.0f} s")
+            why = stalled() if stalled is not None else None
+            if why is not None:
+                raise TimeoutError(why)
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
             process.join()
+        end_job(mark)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block only (what processes started there see)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def free_port() -> int:

@@ -197,17 +197,98 @@ def test_what_is_split_already_is_recognised():
 
     hf = datasets.Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=2)
     split = split_dataset_by_node(hf, rank=0, world_size=2)
+    hf_map = datasets.Dataset.from_dict({"x": list(range(8))})
+    hf_map_split = split_dataset_by_node(hf_map, rank=0, world_size=2)
+    unsplit_declared = datasets.Dataset.from_dict({"x": list(range(8))})
+    unsplit_declared.splits_by_rank = False
 
     class Declares(SetByWorkerInit):
         splits_by_rank = True
 
-    assert [splits_by_rank(d) for d in (hf, split, Declares(), datapipe(), SetByWorkerInit())] == [
-        False,
-        True,
-        True,
-        False,
-        False,
-    ]
+    class DeclaresNot(RankChunk):
+        splits_by_rank = False
+
+    cases = {
+        "HF stream": (hf, False),
+        "HF stream split by node": (split, True),
+        "HF map-style (cannot be told)": (hf_map, True),
+        "HF map-style split by node": (hf_map_split, True),
+        "HF map-style declared unsplit": (unsplit_declared, False),
+        "stream declaring it": (Declares(), True),
+        "map-style declaring it": (RankChunk(), True),
+        "map-style declaring it is not": (DeclaresNot(), False),
+        "datapipe": (datapipe(), False),
+        "plain stream": (SetByWorkerInit(), False),
+        "plain list": (list(range(8)), False),
+    }
+    assert {name: splits_by_rank(d) for name, (d, _) in cases.items()} == {
+        name: want for name, (_, want) in cases.items()
+    }
+
+
+class RankChunk(tud.Dataset):
+    """Rank 0 of 2's half of ``0..N-1`` (every second item), declared: ``splits_by_rank``."""
+
+    splits_by_rank = True
+
+    def __len__(self) -> int:
+        return N // 2
+
+    def __getitem__(self, index: int) -> int:
+        return 2 * index
+
+
+@pytest.fixture
+def rank_0_of_2(monkeypatch):
+    """Rank 0 of 2, as the loader sees it (no process group needed in one process)."""
+    monkeypatch.setattr(torch_spdl.dataloader, "world", lambda: (0, 2))
+
+
+def hf_map_style(splits: bool | None):
+    """A map-style Hugging Face dataset, with ``splits_by_rank`` set to ``splits`` (if given)."""
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_dict({"x": list(range(N))})
+    if splits is not None:
+        dataset.splits_by_rank = splits
+    return dataset
+
+
+def hf_items(loader) -> collections.Counter:
+    return collections.Counter(int(x) for batch in loader for x in batch["x"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_map_style_dataset_split_already_is_read_whole_under_ddp(rank_0_of_2, num_workers):
+    options = {"batch_size": 4, "shuffle": True, "num_workers": num_workers}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = torch_spdl.DataLoader(RankChunk(), **options)
+        assert items(loader) == items(tud.DataLoader(RankChunk(), **options))
+    assert loader.rank_sampler is None
+    assert len(loader) == len(tud.DataLoader(RankChunk(), **options))
+
+
+def test_a_hugging_face_map_style_dataset_is_read_whole_with_a_warning(rank_0_of_2):
+    dataset = hf_map_style(None)
+    with pytest.warns(RuntimeWarning, match="split_dataset_by_node leaves no mark") as caught:
+        loader = torch_spdl.DataLoader(dataset, batch_size=4, shuffle=True)
+        len(loader)
+        got = hf_items(loader)
+    assert got == hf_items(tud.DataLoader(dataset, batch_size=4, shuffle=True))
+    assert sum("split_dataset_by_node" in str(w.message) for w in caught) == 1  # once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared split: the same, and silent
+        assert hf_items(torch_spdl.DataLoader(hf_map_style(True), batch_size=4)) == got
+
+
+def test_a_hugging_face_map_style_dataset_declared_unsplit_is_sharded(rank_0_of_2):
+    dataset = hf_map_style(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = torch_spdl.DataLoader(dataset, batch_size=4, shuffle=True)
+        sampler = tud.DistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
+        assert hf_items(loader) == hf_items(tud.DataLoader(dataset, batch_size=4, sampler=sampler))
+    assert loader.rank_sampler is not None
 
 
 def test_worker_streams_copy_for_threads_only():

@@ -56,6 +56,7 @@ from .sampling import (
     AutoEpochSampler,
     WorkerStreams,
     distributed_samplers,
+    shards_map_style,
     shown_sampler,
     splits_by_rank,
     world,
@@ -314,7 +315,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return sampler if isinstance(sampler, AutoEpochSampler) else None
 
     def _shard(self) -> None:
-        """Read a per-rank sampler in place of torch's once a process group is up.
+        """Read a per-rank sampler in place of torch's once a process group is up, unless the
+        dataset is split by rank already (:func:`~torch_spdl.sampling.shards_map_style`).
 
         Called at construction and again by ``len()``, ``iter()`` and ``set_epoch``, so a process
         group started after the loader was built is picked up before the first pass.
@@ -323,6 +325,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return
         ranks = world()
         if ranks is None:
+            return
+        if not shards_map_style(self.dataset):  # split already (splits_by_rank): decided, once
+            self._shards_itself = False
             return
         self._own_samplers = distributed_samplers(self, *ranks)
         if self._requested_epoch is not None:  # set_epoch() came before the process group

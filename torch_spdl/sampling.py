@@ -9,10 +9,15 @@ on torch's own :class:`~torch.utils.data.DistributedSampler`, for its own iterat
 rebuilds a loader from them (Accelerate's ``prepare``) or injects a sampler (Lightning) shards
 the data once, as it would torch's, and the result is torch's (see docs/distributed.md).
 
-A stream (an IterableDataset) is split by rank where nothing has split it already
-(:func:`splits_by_rank`), so that every rank reads the same number of items from each worker's
-stream (:class:`RankShard`); and each worker thread iterates its own copy of it
-(:class:`WorkerStreams`), as each of torch's worker processes has its own.
+Data that something split by rank already is not split again (:func:`splits_by_rank`): a
+dataset that declares ``splits_by_rank = True``, map-style or a stream, a Hugging Face dataset
+split by node, and a Hugging Face map-style dataset that declares nothing, since its split leaves
+no mark (:func:`shards_map_style` says so in a warning).
+
+A stream (an IterableDataset) is split by rank where nothing has split it already, so that every
+rank reads the same number of items from each worker's stream (:class:`RankShard`); and each
+worker thread iterates its own copy of it (:class:`WorkerStreams`), as each of torch's worker
+processes has its own.
 """
 
 from __future__ import annotations
@@ -139,26 +144,71 @@ def shown_sampler(sampler: Any) -> Any:
     return shown
 
 
-# -- streams -------------------------------------------------------------------------------------
-def splits_by_rank(dataset: Any) -> bool:
-    """Whether ``dataset`` is already split between ranks, so the loader must not split it again.
+# -- what is split already ------------------------------------------------------------------------
+HF_MAP_STYLE = (
+    "torch_spdl.DataLoader does not split a Hugging Face datasets.Dataset between ranks by itself: "
+    "split_dataset_by_node leaves no mark on a map-style dataset, and splitting one that is split "
+    "already would drop half of it. Every rank reads all of this dataset, as with torch's "
+    "DataLoader. Set dataset.splits_by_rank = False to have the loader shard it (or pass a "
+    "DistributedSampler), or = True if it is split, to silence this warning; see "
+    "docs/distributed.md, 'Data split already'."
+)
 
-    - a dataset that says so: ``splits_by_rank = True`` (the public protocol, docs/distributed.md);
-    - a Hugging Face ``datasets.IterableDataset`` from ``split_dataset_by_node``.
+
+def _hf_class(name: str) -> type | None:
+    """A class of Hugging Face ``datasets``, if the user imported it (we never import it)."""
+    return getattr(sys.modules.get("datasets"), name, None)
+
+
+def _declared(dataset: Any) -> bool | None:
+    """The dataset's own ``splits_by_rank`` (the public protocol), None where it declares none."""
+    declared = getattr(dataset, "splits_by_rank", None)
+    return None if declared is None else bool(declared)
+
+
+def undecidable_hf(dataset: Any) -> bool:
+    """A map-style Hugging Face ``datasets.Dataset`` that declares nothing: whether
+    ``split_dataset_by_node`` split it cannot be told (it is a plain ``shard()``, which records
+    nothing on the result), so the loader leaves it as torch's would, and says so."""
+    hf_map = _hf_class("Dataset")
+    return hf_map is not None and isinstance(dataset, hf_map) and _declared(dataset) is None
+
+
+def splits_by_rank(dataset: Any) -> bool:
+    """Whether ``dataset`` is (or may be) split between ranks already, so the loader must not
+    split it again: losing half the data is worse than torch's behaviour of reading it all.
+
+    - what the dataset declares: ``splits_by_rank = True`` or ``False`` (the public protocol,
+      docs/distributed.md), map-style or iterable;
+    - a Hugging Face ``datasets.IterableDataset`` from ``split_dataset_by_node`` (it keeps a
+      ``_distributed`` config);
+    - a Hugging Face map-style ``datasets.Dataset``: it may come from ``split_dataset_by_node``,
+      which cannot be told (:func:`undecidable_hf`).
     """
-    if getattr(dataset, "splits_by_rank", False):
+    declared = _declared(dataset)
+    if declared is not None:
+        return declared
+    if undecidable_hf(dataset):
         return True
-    hf = sys.modules.get("datasets")
-    hf_iterable = getattr(hf, "IterableDataset", None)
+    hf_iterable = _hf_class("IterableDataset")
     return (
         hf_iterable is not None
         and isinstance(dataset, hf_iterable)
-        and bool(
-            getattr(dataset, "_distributed", None)  # what split_dataset_by_node sets
-        )
+        and bool(getattr(dataset, "_distributed", None))  # what split_dataset_by_node sets
     )
 
 
+def shards_map_style(dataset: Any) -> bool:
+    """Whether the loader may split a map-style ``dataset`` by rank itself (under DDP, where it
+    built the sampler): not where it is split already, nor a Hugging Face ``datasets.Dataset``
+    that declares nothing, which is read whole on every rank as torch's loader reads it, with a
+    warning that says how to choose (a drop-in may repeat what torch does, never lose data)."""
+    if undecidable_hf(dataset):
+        warnings.warn(HF_MAP_STYLE, RuntimeWarning, stacklevel=3)
+    return not splits_by_rank(dataset)
+
+
+# -- streams -------------------------------------------------------------------------------------
 class RankShard(IterableDataset):
     """Rank ``rank``'s part of a stream: of every ``size`` consecutive items, the ``rank``-th.
 
