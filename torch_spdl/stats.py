@@ -205,6 +205,7 @@ class PeriodicReport:
         return None if self.due is None else max(0.0, self.due - time.monotonic())
 
     def maybe_log(self) -> None:
-        if self.due is not None and time.monotonic() >= self.due:
+        interval = self.interval
+        if interval is not None and self.due is not None and time.monotonic() >= self.due:
             logger.info("torch_spdl loader stats:\n%s", self.report())
-            self.due = time.monotonic() + self.interval
+            self.due = time.monotonic() + interval
