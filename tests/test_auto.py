@@ -326,6 +326,32 @@ def test_cheap_gil_bound_batches_run_inline_with_torchs_batches(no_leak):
     assert executor.startswith("worker_method='auto' chose inline"), executor
 
 
+def test_after_an_inline_decision_the_next_pass_starts_no_thread(no_leak, decides):
+    """Later passes fetch in the loop's own thread, as num_workers=0 does: no worker thread to
+    hand each batch over (with persistent workers the threads stay, and hand over)."""
+    decides(INLINE)
+    dataset = Indices(20_000)
+    torchs = [batch.tolist() for batch in torch.utils.data.DataLoader(dataset, batch_size=64)]
+    for persistent in (False, True):
+        loader = torch_spdl.DataLoader(
+            dataset, batch_size=64, num_workers=2, persistent_workers=persistent
+        )
+        assert [batch.tolist() for batch in loader] == torchs
+        assert "chose inline" in loader.stats().executor
+        before = threading.active_count()
+        batches = []
+        for batch in loader:
+            batches.append(batch.tolist())
+            if len(batches) == 1:
+                started = threading.active_count() - before
+        assert batches == torchs
+        # no thread started: none at all, or the persistent ones of the first pass
+        assert started == 0
+        assert loader.stats().stages[0].kind == ("thread" if persistent else "inline")
+        assert "chose inline" in loader.stats().executor
+        del loader
+
+
 class Raises(Dataset):
     def __len__(self) -> int:
         return 200_000

@@ -22,7 +22,7 @@ import torch.utils.data
 from torch.utils.data import BatchSampler
 
 from . import gil, resume
-from .auto import PROCESS, THREAD, AutoState, Decision, Trial, decide
+from .auto import INLINE, PROCESS, THREAD, AutoState, Decision, Trial, decide
 from .batching import (
     Assembler,
     FetchTask,
@@ -424,16 +424,21 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         undo_draw = resumed is not None and loader.generator is None
         with torch.random.fork_rng(devices=[], enabled=undo_draw):
             super().__init__(loader)
-        self._pass = resume.start_pass(self, loader, resumed, prime=self._num_workers > 0)
         if self._num_workers == 0 and self._timeout != 0:
             raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
         if self._num_workers > 0 and loader.prefetch_factor <= 0:
             raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
-        workers = self._num_workers > 0
-        self._may_switch = workers and loader.worker_method == "auto"
+        self._may_switch = self._num_workers > 0 and loader.worker_method == "auto"
         decided = loader._auto.decision if self._may_switch else None
+        # "auto" found the stage cheapest in this thread: later passes fetch here, as
+        # num_workers=0 does, with no thread to hand each batch over (persistent threads stay)
+        self._inline = self._num_workers == 0 or (
+            decided is not None and decided.executor == INLINE and not loader.persistent_workers
+        )
+        self._pass = resume.start_pass(self, loader, resumed, prime=not self._inline)
+        workers = not self._inline
         processes = workers and (
             uses_processes(loader.worker_method)
             or (decided is not None and decided.executor == PROCESS)
@@ -458,7 +463,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._stall_warning = loader.stall_warning
         self._pool: ProcessPool | None = None
         self._pipeline: Pipeline[Any] | None = None
-        if self._num_workers == 0:
+        if self._inline:
             self._inline_at = 0  # the position of the next batch in the pass
             self._inline_stats = StageStats("fetch", "inline", 1, 1)
             self.stats_probe.stages = [self._inline_stats]
@@ -891,7 +896,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._budget.reset()  # the budget is per pass
         self._inline_at = 0
         super()._reset(loader, first_iter)
-        self._pass = resume.start_pass(self, loader, None, prime=self._num_workers > 0)
+        self._pass = resume.start_pass(self, loader, None, prime=not self._inline)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again
