@@ -16,7 +16,7 @@ from index_datasets import Indices
 from torch.utils.data import Dataset, IterableDataset
 
 import torch_spdl
-from torch_spdl import auto
+from torch_spdl import auto, gil
 from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision, Measured, Tally, Trial, decide
 from torch_spdl.switch import Switch
 
@@ -39,6 +39,7 @@ def measured(
     return Measured(stage, consumer, 1.0, process_cpu, workers, 1.0, 1.0, knocks)
 
 
+GIL_ON = gil.gil_enabled()  # free-threaded Python with the GIL off: threads are where stages scale
 FIELDS = [field.name for field in dataclasses.fields(Measured)]  # knocks last
 
 
@@ -192,10 +193,11 @@ def trial_of(work, workers: int = 2, seconds: float = 0.5) -> Measured:
 
 
 def test_pure_python_measures_as_gil_bound():
+    """With the GIL off (free-threaded Python) the same work runs in parallel on threads."""
     figures = trial_of(python_work)
     assert figures.busy_cores >= auto.BUSY_CORES, figures.describe()
-    decision = decide(figures, cpus=2, inline_possible=False)
-    assert decision.executor == PROCESS, str(decision)
+    decision = decide(figures, cpus=2, inline_possible=False, gil_enabled=GIL_ON)
+    assert decision.executor == (PROCESS if GIL_ON else THREAD), str(decision)
 
 
 def test_sleeping_measures_as_io():
@@ -287,6 +289,10 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     got, pids = indices_of(loader)
     assert got == expected
     executor = loader.stats().executor
+    if not GIL_ON:  # free-threaded Python: the stage's threads run in parallel, it stays on them
+        assert executor.startswith("worker_method='auto' chose thread: the GIL is off"), executor
+        assert pids == {os.getpid()}
+        return
     assert executor.startswith("worker_method='auto' chose process"), executor
     assert pids - {os.getpid()}, "no batch came from a worker process"
     # the next pass starts in processes: every batch from a worker process

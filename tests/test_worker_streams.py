@@ -13,31 +13,13 @@ import warnings
 import pytest
 import torch
 import torch.utils.data as tud
+from sharing_scenarios import SelfIterating  # __iter__ returns self
 from torch.utils.data.datapipes.iter import IterableWrapper
 
 import torch_spdl
 from torch_spdl.sampling import RankShard, WorkerStreams, splits_by_rank
 
 N = 30
-
-
-class SelfIterating(tud.IterableDataset):
-    """``__iter__`` returns ``self``, its position kept on ``self``: fine in torch's worker
-    processes, each of which has its own copy."""
-
-    def __init__(self, n: int = N) -> None:
-        self.n = n
-
-    def __iter__(self):
-        info = tud.get_worker_info()
-        self.at, self.step = (0, 1) if info is None else (info.id, info.num_workers)
-        return self
-
-    def __next__(self):
-        if self.at >= self.n:
-            raise StopIteration
-        self.at += self.step
-        return self.at - self.step
 
 
 class SetByWorkerInit(tud.IterableDataset):
@@ -71,7 +53,7 @@ def items(loader) -> collections.Counter:
 
 
 CASES = {
-    "self-iterating": (SelfIterating, {}),
+    "self-iterating": (lambda: SelfIterating(N), {}),
     "worker_init_fn": (SetByWorkerInit, {"worker_init_fn": split_range}),
     "datapipe": (datapipe, {}),
 }
@@ -92,7 +74,7 @@ def test_each_worker_iterates_its_own_copy_as_torchs_do(case, num_workers, metho
 
 
 def test_the_users_dataset_object_is_left_as_it_was():
-    dataset = SelfIterating()
+    dataset = SelfIterating(N)
     assert sorted(items(torch_spdl.DataLoader(dataset, num_workers=2))) == list(range(N))
     assert not hasattr(dataset, "at")  # each worker iterated a copy, as torch's processes do
 
