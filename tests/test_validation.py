@@ -453,6 +453,55 @@ def test_extras_are_stored_as_given():
     assert (loader.io_workers, loader.load_fn, loader.preprocess_fn) == (5, load, preprocess)
 
 
+
+@pytest.mark.parametrize("attr", ["load_fn", "preprocess_fn"])
+def test_hooks_are_guarded_after_init_as_torchs_attributes_are(attr):
+    """They decide the dataset's stages when the loader is built: assigning one later is refused
+    with the wording of torch's guard, and changes nothing."""
+    loader = MyLoader(MAP, preprocess_fn=lambda raw: raw)
+    before = getattr(loader, attr)
+    assert set_error(loader, attr, None) == (
+        f"{attr} attribute should not be set after MyLoader is initialized"
+    )
+    assert getattr(loader, attr) is before
+
+
+@pytest.mark.parametrize(
+    "attr, value, error",
+    [
+        ("io_workers", 0, ValueError),
+        ("uneven_ranks", "even", ValueError),
+        ("worker_method", "fiber", ValueError),
+        ("max_failures", -1, ValueError),
+        ("max_failures", "1", TypeError),
+        ("stats_interval", 0, ValueError),
+        ("stall_warning", "1s", ValueError),
+        ("device_transform", abs, ValueError),  # needs device= as well
+        ("cache_bytes", 10, ValueError),  # MAP has no load hook to cache
+    ],
+)
+def test_an_option_assigned_after_init_is_validated_as_at_init(attr, value, error):
+    with pytest.raises(error) as at_init:
+        torch_spdl.DataLoader(MAP, **{attr: value})
+    loader = torch_spdl.DataLoader(MAP)
+    before = loader.options
+    with pytest.raises(error) as assigned:
+        setattr(loader, attr, value)
+    assert str(assigned.value) == str(at_init.value)
+    assert loader.options is before  # the refused assignment changed nothing
+
+
+def test_options_are_one_frozen_object_and_an_assignment_takes_effect_next_pass():
+    loader = torch_spdl.DataLoader(MAP, batch_size=5, num_workers=2, worker_method="thread")
+    with pytest.raises(AttributeError):
+        loader.options.worker_method = "process"
+    loader.worker_method = "process"
+    assert loader.options.worker_method == "process" and loader.worker_method == "process"
+    batches = list(loader)
+    assert [b.tolist() for b in batches] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
 # -- pin_memory without an accelerator -----------------------------------------------------------
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without accelerator")
 @pytest.mark.parametrize("num_workers", [0, 2])

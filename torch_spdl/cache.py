@@ -50,13 +50,20 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
+def check_capacity(capacity: Any) -> None:
+    """torch-style validation of ``cache_bytes``: None (unbounded) or a positive int."""
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
+        raise ValueError(f"cache_bytes should be a positive number of bytes, got {capacity!r}")
+
+
 class ByteLRU:
     """Least-recently-used entries are evicted until the total fits ``capacity`` bytes
     (``None``: unbounded). An item larger than the whole capacity is not cached at all."""
 
     def __init__(self, capacity: int | None) -> None:
-        if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
-            raise ValueError(f"cache_bytes should be a positive number of bytes, got {capacity!r}")
+        check_capacity(capacity)
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._bytes = 0

@@ -47,6 +47,7 @@ from .compat import (
 )
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures
 from .hooks import Hooks, resolve_hooks
+from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import Failure, Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
@@ -70,8 +71,6 @@ from .transfer import DeviceTransfer, rank_device, resolve_device
 from .workers import worker_starter
 
 T_co = TypeVar("T_co", covariant=True)
-
-DEFAULT_IO_WORKERS = 16
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -118,6 +117,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       ``"thread"`` and ``"process"`` fix the choice (see :mod:`torch_spdl.processes`).
       ``"multiprocessing"`` (torch's name) means ``"process"``.
     """
+
+    # the options (torch_spdl.options), shown as attributes: see _option below
+    io_workers: int
+    load_fn: Callable[[Any], Any] | None
+    preprocess_fn: Callable[[Any], Any] | None
+    distributed: bool
+    uneven_ranks: str | None
+    device: str | torch.device | None
+    device_transform: Callable[[Any], Any] | None
+    cache_bytes: int | None
+    preload: bool
+    worker_method: str
+    max_failures: int | float
+    stats_interval: float | None
+    stall_warning: float | None
 
     def __init__(
         self,
@@ -172,29 +186,23 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if isinstance(io_workers, bool) or not isinstance(io_workers, int) or io_workers < 1:
-            raise ValueError(f"io_workers option should be a positive integer, got {io_workers!r}")
-        self.io_workers = io_workers
-        self.load_fn = load_fn
-        self.preprocess_fn = preprocess_fn
-        self.distributed = distributed
-        if uneven_ranks is not None and uneven_ranks not in UNEVEN_RANKS:
-            raise ValueError(
-                f"uneven_ranks option should be 'pad', 'drop' or None, got {uneven_ranks!r}"
-            )
-        self.uneven_ranks = uneven_ranks
-        resolve_device(device)
-        if device_transform is not None and not callable(device_transform):
-            raise TypeError(f"device_transform must be callable, got {device_transform!r}")
-        if device_transform is not None and device is None:
-            raise ValueError("device_transform runs on the device: it needs device= as well")
-        self.device = device
-        self.device_transform = device_transform
+        self._options = Options(
+            io_workers=io_workers,
+            load_fn=load_fn,
+            preprocess_fn=preprocess_fn,
+            distributed=distributed,
+            uneven_ranks=uneven_ranks,
+            device=device,
+            device_transform=device_transform,
+            cache_bytes=cache_bytes,
+            preload=preload,
+            worker_method=worker_method,
+            max_failures=max_failures,
+            stats_interval=stats_interval,
+            stall_warning=stall_warning,
+        )
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
-        self.cache_bytes = cache_bytes
-        self.preload = preload
-        processes = uses_processes(worker_method)  # validates it
-        self.worker_method = worker_method
+        self._check_options()
         self._auto = AutoState()  # what worker_method="auto" decided, for the passes after
         self._cache = self._make_cache()
         self._preloaded = False
@@ -212,38 +220,49 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._pass: resume.PassRecord | None = None  # the latest iterator's pass, for state_dict()
         self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
-        self.max_failures = check_max_failures(max_failures)
-        if max_failures and processes and self._hooks is None:
+        self._stats_probe: StatsProbe | None = None
+
+    # -- options ----------------------------------------------------------------------------------
+    @property
+    def options(self) -> Options:
+        """The loader's own options (beyond torch's arguments), validated and frozen."""
+        return self._options
+
+    def _set_option(self, name: str, value: Any) -> None:
+        if name in FIXED_AFTER_INIT:
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        previous = self._options
+        self._options = previous.replace(**{name: value})
+        try:
+            self._check_options()
+        except Exception:
+            self._options = previous
+            raise
+
+    def _check_options(self) -> None:
+        """What the options ask of the dataset's stages: checked when the loader is built and
+        whenever an option is assigned."""
+        options = self._options
+        if self._hooks is not None:
+            return
+        if options.cache_bytes is not None or options.preload:
+            raise ValueError(
+                "cache_bytes and preload keep what a load hook returns, and this dataset has none: "
+                "use a StagedDataset, load_fn=, or a torchvision ImageFolder"
+            )
+        if options.max_failures and options.processes:
             raise ValueError(
                 "max_failures with worker_method='process' needs a dataset split into load and "
                 "preprocess hooks (a StagedDataset, load_fn=/preprocess_fn=, or an ImageFolder): "
                 "without hooks a worker process reads whole batches, and cannot skip samples"
             )
-        if stats_interval is not None and not (
-            isinstance(stats_interval, (int, float)) and stats_interval > 0
-        ):
-            raise ValueError(
-                f"stats_interval should be a positive number of seconds, got {stats_interval!r}"
-            )
-        self.stats_interval = stats_interval
-        if stall_warning is not None and not (
-            isinstance(stall_warning, (int, float)) and stall_warning > 0
-        ):
-            raise ValueError(
-                f"stall_warning should be a positive number of seconds, got {stall_warning!r}"
-            )
-        self.stall_warning = stall_warning
-        self._stats_probe: StatsProbe | None = None
 
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
         if self.cache_bytes is None and not self.preload:
             return None
-        if self._hooks is None:
-            raise ValueError(
-                "cache_bytes and preload keep what a load hook returns, and this dataset has none: "
-                "use a StagedDataset, load_fn=, or a torchvision ImageFolder"
-            )
         return ByteLRU(self.cache_bytes)
 
     def _stage_hooks(self, processes: bool) -> Hooks | None:
@@ -341,9 +360,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return None
 
     def _uneven(self) -> str:
-        if self.uneven_ranks is not None:
-            return self.uneven_ranks
-        return "drop" if self.drop_last else "pad"
+        return self._options.uneven(self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does.
@@ -415,6 +432,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def check_worker_number_rationality(self) -> None:
         """torch warns when worker *processes* outnumber CPUs; threads waiting on I/O or running
         GIL-free code are cheap, so more threads than cores is a normal setting here."""
+
+
+def _option(name: str) -> property:
+    """``loader.<name>``: the option, read from the loader's :class:`Options`; assigning one
+    validates it and takes effect from the next pass."""
+    return property(
+        lambda loader: getattr(loader._options, name),
+        lambda loader, value: loader._set_option(name, value),
+        doc=f"The ``{name}`` option (see :class:`~torch_spdl.options.Options`).",
+    )
+
+
+for _name in NAMES:
+    setattr(DataLoader, _name, _option(_name))
 
 
 class _ThreadDataLoaderIter(BaseDataLoaderIter):

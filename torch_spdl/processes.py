@@ -243,9 +243,9 @@ class IterableJob:
         return READY, None
 
     def run(self, request: None, worker: int) -> Reply:
-        status, payload = attempt(
-            lambda: next(self._batches, _ENDED), self.stage, worker, lambda: None
-        )
+        batches = self._batches
+        assert batches is not None, "reset() starts a worker's batches before it runs"
+        status, payload = attempt(lambda: next(batches, _ENDED), self.stage, worker, lambda: None)
         return (END, None) if payload is _ENDED else (status, payload)
 
 
@@ -664,13 +664,13 @@ class ProcessPool:
             return None
         worker = self._processes.workers[worker_id]
         header = f"worker process {worker_id} (pid {worker.process.pid}):\n"
-        if worker.stacks is None:
+        if worker.stacks is None or STACK_SIGNAL is None:
             return None
         try:
             os.kill(worker.process.pid, STACK_SIGNAL)
         except (ProcessLookupError, ValueError):
             return header + "  (it has exited)\n"
-        fd, chunks = worker.stacks.fileno(), []
+        fd, chunks = worker.stacks.fileno(), list[bytes]()
         while select.select([fd], [], [], quiet if chunks else wait)[0]:
             chunk = os.read(fd, 65536)
             if not chunk:
