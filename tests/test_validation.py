@@ -453,7 +453,6 @@ def test_extras_are_stored_as_given():
     assert (loader.io_workers, loader.load_fn, loader.preprocess_fn) == (5, load, preprocess)
 
 
-
 @pytest.mark.parametrize("attr", ["load_fn", "preprocess_fn"])
 def test_hooks_are_guarded_after_init_as_torchs_attributes_are(attr):
     """They decide the dataset's stages when the loader is built: assigning one later is refused

@@ -15,14 +15,14 @@ import functools
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Any, TypeVar, cast
 
 import torch.utils.data
 from torch.utils.data import BatchSampler
 
 from . import gil, resume
-from .auto import INLINE, PROCESS, THREAD, AutoState, Decision, Trial, decide
+from .auto import PROCESS, THREAD, AutoState, Decision, Trial, decide
 from .batching import (
     Assembler,
     FetchTask,
@@ -45,15 +45,15 @@ from .compat import (
     pin_memory,
     profiler_enabled,
 )
-from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, check_max_failures
+from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
 from .hooks import Hooks, resolve_hooks
 from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import Failure, Pipeline, SharedSource, Stage, Stream, WorkerSource
 from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
-from .processes import ProcessPool, attach, process_pool, uses_processes
+from .plan import AUTO, STREAMS, Plan, make_plan
+from .processes import ProcessPool, attach, process_pool
 from .sampling import (
-    UNEVEN_RANKS,
     AutoEpochSampler,
     WorkerStreams,
     distributed_samplers,
@@ -118,7 +118,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       ``"multiprocessing"`` (torch's name) means ``"process"``.
     """
 
-    # the options (torch_spdl.options), shown as attributes: see _option below
+    # the options (torch_spdl.options), also plain attributes: see __setattr__
     io_workers: int
     load_fn: Callable[[Any], Any] | None
     preprocess_fn: Callable[[Any], Any] | None
@@ -201,6 +201,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             stats_interval=stats_interval,
             stall_warning=stall_warning,
         )
+        # plain attributes too: code that rebuilds a loader from vars(loader) (Lightning) sees them
+        self.__dict__.update({name: getattr(self._options, name) for name in NAMES})
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self._check_options()
         self._auto = AutoState()  # what worker_method="auto" decided, for the passes after
@@ -227,6 +229,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def options(self) -> Options:
         """The loader's own options (beyond torch's arguments), validated and frozen."""
         return self._options
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An option assigned after ``__init__`` is validated into a new :class:`Options` first
+        (refused: nothing changes); torch's own guard handles its attributes."""
+        if name in NAMES and "_options" in self.__dict__:
+            self._set_option(name, value)
+        super().__setattr__(name, value)
 
     def _set_option(self, name: str, value: Any) -> None:
         if name in FIXED_AFTER_INIT:
@@ -265,22 +274,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return None
         return ByteLRU(self.cache_bytes)
 
-    def _stage_hooks(self, processes: bool) -> Hooks | None:
-        """The hooks an iterator runs. In worker processes (or where ``"auto"`` may move the
-        stage there), a folder that the loader split by itself runs whole in the worker, as
-        torch's does: the files are read, decoded and collated there and one batch comes back
-        through shared memory, where the split would send every sample's bytes out and its image
-        back. A cache or a failure budget needs the split, and keeps it."""
-        hooks = self._hooks
-        if (
-            processes
-            and hooks is not None
-            and hooks.from_folder
-            and self._cache is None
-            and not self.max_failures
-        ):
-            return None
-        return hooks
+    def _plan(self, iterator: _ThreadDataLoaderIter) -> Plan:
+        """The next pass's plan (:mod:`torch_spdl.plan`), from the options, torch's arguments as
+        ``iterator`` read them, the dataset and what ``"auto"`` decided before."""
+        auto_collation = iterator._auto_collation
+        batch_size = getattr(self.batch_sampler, "batch_size", None) if auto_collation else 1
+        return make_plan(
+            self._options,
+            num_workers=iterator._num_workers,
+            prefetch_factor=self.prefetch_factor,
+            in_order=self.in_order,
+            persistent=self.persistent_workers,
+            iterable=is_iterable(self.dataset),
+            hooks=self._hooks,
+            cached=self._cache is not None,
+            decided=self._auto.decision,
+            pin_memory=iterator._pin_memory,
+            samples_per_batch=max(1, batch_size or 1),
+        )
 
     def cache_stats(self) -> CacheStats | None:
         """Hits, misses, evictions, items and bytes of the load cache (None without one)."""
@@ -292,7 +303,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         Same threads as the load stage's: the thread-safe view of the dataset, and a WorkerInfo
         per thread (seeded from 0: preloading must not draw from ``generator``).
         """
-        load = self._hooks.load_from(thread_safe_view(self.dataset))
+        hooks, cache = self._hooks, self._cache
+        assert hooks is not None and cache is not None  # preload needs both (_check_options)
+        load = hooks.load_from(thread_safe_view(self.dataset))
         start = worker_starter(self.dataset, self.io_workers, 0, None)
         stage = Stage(
             "preload",
@@ -301,10 +314,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             describe=lambda i: f"dataset index {i}",
             on_start=start,
         )
-        indices = range(len(self.dataset))
+        indices = range(len(cast(Sized, self.dataset)))
+        raw: Any
+        loaded: Pipeline[Any]
         with Pipeline(indices, [stage], name="torch_spdl.preload") as loaded:
             for index, raw in zip(indices, loaded, strict=True):
-                self._cache.put(index, raw)
+                cache.put(index, raw)
         self._preloaded = True
 
     # -- distributed training ---------------------------------------------------------------------
@@ -315,7 +330,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         sampler, batch_sampler = self._own_samplers
         shown = shown_sampler(sampler)
         object.__setattr__(self, "sampler", shown)
-        if batch_sampler is not None:
+        if isinstance(batch_sampler, BatchSampler):  # torch builds one from batch_size
             shown_batches = BatchSampler(shown, batch_sampler.batch_size, batch_sampler.drop_last)
             object.__setattr__(self, "batch_sampler", shown_batches)
 
@@ -348,9 +363,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if not shards_map_style(self.dataset):  # split already (splits_by_rank): decided, once
             self._shards_itself = False
             return
-        self._own_samplers = distributed_samplers(self, *ranks)
+        rank_sampler, rank_batches = distributed_samplers(self, *ranks)
+        self._own_samplers = (rank_sampler, rank_batches)
         if self._requested_epoch is not None:  # set_epoch() came before the process group
-            self._own_samplers[0].set_epoch(self._requested_epoch)
+            rank_sampler.set_epoch(self._requested_epoch)
 
     def _rank_split(self) -> tuple[int, int] | None:
         """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks:
@@ -371,8 +387,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._shard()
         sampler, batch_sampler = self._own_samplers
         for one in (sampler, getattr(batch_sampler, "sampler", None)):
-            if hasattr(one, "set_epoch"):
-                one.set_epoch(epoch)
+            set_epoch = getattr(one, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
 
     # -- checkpointing (see torch_spdl.resume) ---------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -390,8 +407,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         was not): the next ``iter(self)`` yields the rest of the pass that state was taken in."""
         self._shard()
         self._resume = resume.load_state(self, state_dict)
-        if self._iterator is not None:  # persistent threads hold the old seeds: start anew
-            self._iterator.close()
+        if isinstance(self._iterator, _ThreadDataLoaderIter):  # persistent threads hold the old
+            self._iterator.close()  # seeds: start anew
             self._iterator = None
 
     def __iter__(self) -> Any:
@@ -411,8 +428,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ranks = self._rank_split()
         if ranks is None:
             return super().__len__()
-        samples = -(-len(self.dataset) // ranks[1])  # this rank's share of the stream, at most
-        self._IterableDataset_len_called = samples
+        samples = -(-len(cast(Sized, self.dataset)) // ranks[1])  # this rank's share, at most
+        self._IterableDataset_len_called = samples  # type: ignore[assignment]  # torch: None
         if self.batch_size is None:
             return samples
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
@@ -434,20 +451,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         GIL-free code are cheap, so more threads than cores is a normal setting here."""
 
 
-def _option(name: str) -> property:
-    """``loader.<name>``: the option, read from the loader's :class:`Options`; assigning one
-    validates it and takes effect from the next pass."""
-    return property(
-        lambda loader: getattr(loader._options, name),
-        lambda loader, value: loader._set_option(name, value),
-        doc=f"The ``{name}`` option (see :class:`~torch_spdl.options.Options`).",
-    )
-
-
-for _name in NAMES:
-    setattr(DataLoader, _name, _option(_name))
-
-
 class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
         resumed = resume.take_continuation(loader)
@@ -457,44 +460,36 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             super().__init__(loader)
         if self._num_workers == 0 and self._timeout != 0:
             raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
-        if self._num_workers > 0 and loader.prefetch_factor <= 0:
+        prefetch_factor = loader.prefetch_factor  # torch sets it (2) where there are workers
+        if self._num_workers > 0 and (prefetch_factor is None or prefetch_factor <= 0):
             raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
-        self._may_switch = self._num_workers > 0 and loader.worker_method == "auto"
-        decided = loader._auto.decision if self._may_switch else None
-        # "auto" found the stage cheapest in this thread: later passes fetch here, as
-        # num_workers=0 does, with no thread to hand each batch over (persistent threads stay)
-        self._inline = self._num_workers == 0 or (
-            decided is not None and decided.executor == INLINE and not loader.persistent_workers
-        )
-        self._pass = resume.start_pass(self, loader, resumed, prime=not self._inline)
-        workers = not self._inline
-        processes = workers and (
-            uses_processes(loader.worker_method)
-            or (decided is not None and decided.executor == PROCESS)
-        )
-        self._processes = processes
-        self._hooks = loader._stage_hooks(processes or self._may_switch)
+        plan = self._plan = loader._plan(self)
+        self._pass = resume.start_pass(self, loader, resumed, prime=not plan.inline)
+        self._hooks = plan.hooks
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
             loader._rank_split(),
             loader._uneven(),
-            copies=self._num_workers > 0 and not processes,  # a worker process has its own
+            copies=self._num_workers > 0 and plan.executor != PROCESS,  # a process has its own
         )
         self._transfer = self._device_transfer(loader)
         self._finish = finisher(self._collate_fn, self._pinner())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
-        self.stats_probe = StatsProbe(self._clock, self._budget, processes)
-        self.stats_probe.decision = decided
+        self.stats_probe = StatsProbe(self._clock, self._budget, plan.executor == PROCESS)
+        self.stats_probe.decision = plan.decision
+        self.stats_probe.plan = str(plan)
         self._switch: Switch | None = None
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._stall_warning = loader.stall_warning
         self._pool: ProcessPool | None = None
+        # the tasks of a pass, from the indices the sampler gives: set with the pipeline
+        self._make_source: Callable[[Iterable[Any]], Iterator[Any]] = fetch_tasks
         self._pipeline: Pipeline[Any] | None = None
-        if self._inline:
+        if plan.inline:
             self._inline_at = 0  # the position of the next batch in the pass
             self._inline_stats = StageStats("fetch", "inline", 1, 1)
             self.stats_probe.stages = [self._inline_stats]
@@ -516,10 +511,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         from torch 2.9 on, None, meaning the current accelerator, or the user's device before);
         and always before a copy to a CUDA device, since copies from pinned memory are the ones
         that can overlap compute."""
+        if not self._plan.pins:
+            return None
         if self._transfer is not None and self._transfer.device.type == "cuda":
             return functools.partial(pin_memory, device=None)  # the current accelerator: CUDA
-        if not self._pin_memory:
-            return None
         return functools.partial(pin_memory, device=self._pin_memory_device)
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
@@ -532,8 +527,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """What fetches one batch in the calling thread, given it as a task (numbered by its
         position in the pass, as the pipeline's are)."""
         hooks = self._hooks
-        if is_iterable(self._dataset):
-            batches = self._iterable_worker()(0)  # the batches a worker would make
+        if self._plan.shape == STREAMS:
+            batches = iter(self._iterable_worker()(0))  # the batches a worker would make
             return lambda task: next(batches)
         if hooks is None:
             return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -542,7 +537,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             load_async = load
             load = lambda index: asyncio.run(load_async(index))  # noqa: E731
         preprocess = hooks.preprocess
-        if self._budget.enabled:
+        if self._plan.skips_failures:
             return self._tolerant_inline(load, preprocess)
 
         def fetch(task: FetchTask) -> Any:
@@ -561,42 +556,35 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
-        in_flight = loader.prefetch_factor * self._num_workers
+        plan = self._plan
         # worker processes from the start, or None for worker threads
-        pool = process_pool(self, loader)() if self._processes else None
+        pool = process_pool(self, loader)() if plan.executor == PROCESS else None
         self._pool = pool
         self._switch = None
-        iterable = is_iterable(self._dataset)
+        iterable = plan.shape == STREAMS
         start = (
             pool.start
             if pool is not None
             else worker_starter(
                 loader.dataset,
                 self._num_workers,
-                self._base_seed,
+                int(self._base_seed),
                 loader.worker_init_fn,
                 # a stream's worker threads each have their own copy of the dataset
                 copies=self._streams.dataset if iterable else None,
             )
         )
-        name = f"torch_spdl.DataLoader-{id(self):x}"
-        options = dict(in_order=loader.in_order, persistent=loader.persistent_workers, name=name)
         if iterable:
-            if self._may_switch and not self._processes:
-                self.stats_probe.decision = Decision(
-                    THREAD,
-                    "an IterableDataset's streams stay where they start; "
-                    "worker_method='process' runs GIL-bound streams in processes",
-                )
-            source = WorkerSource(
+            streams = WorkerSource(
                 self._iterable_worker() if pool is None else pool.batches,
                 self._num_workers,
-                max_in_flight=loader.prefetch_factor,
+                max_in_flight=plan.in_flight,
                 name="fetch",
                 on_start=start,
             )
-            return attach(Pipeline(source, self._transfer_stage(), **options), pool)
+            return self._pipeline_of(streams, self._transfer_stage(), pool)
         hooks = self._hooks
+        source: SharedSource
         if hooks is None:
             self._make_source = fetch_tasks
             fetch, start = self._cpu_stage(
@@ -617,20 +605,34 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                     on_start=start,
                 )
             ]
-            source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=in_flight)
+            source = SharedSource(
+                self._make_source(self._sampler_iter), max_in_flight=plan.in_flight
+            )
         else:
             auto = self._auto_collation
             self._make_source = lambda indices: sample_tasks(indices, auto)
             stages = self._staged(loader, hooks, start, pool)
-            # enough batches in flight to keep every I/O thread busy, however small the batches
-            in_flight = max(in_flight, -(-loader.io_workers // self._samples_per_batch(loader)))
             source = SharedSource(
-                self._make_source(self._sampler_iter), numbered=True, max_in_flight=in_flight
+                self._make_source(self._sampler_iter), numbered=True, max_in_flight=plan.in_flight
             )
-        pipeline = attach(Pipeline(source, stages + self._transfer_stage(), **options), pool)
+        pipeline = self._pipeline_of(source, stages + self._transfer_stage(), pool)
         if self._switch is not None:
             pipeline.on_stop(self._switch.close)
         return pipeline
+
+    def _pipeline_of(
+        self,
+        source: SharedSource | WorkerSource,
+        stages: list[Stage | Stream],
+        pool: ProcessPool | None,
+    ) -> Pipeline[Any]:
+        """The plan's pipeline over ``source`` and ``stages``; it stops ``pool`` when it stops."""
+        plan = self._plan
+        name = f"torch_spdl.DataLoader-{id(self):x}"
+        pipeline: Pipeline[Any] = Pipeline(
+            source, stages, in_order=plan.in_order, persistent=plan.persistent, name=name
+        )
+        return attach(pipeline, pool)
 
     def _cpu_stage(
         self,
@@ -643,9 +645,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """The CPU stage's function and ``on_start``: as given, or, with ``"auto"``, through a
         :class:`~torch_spdl.switch.Switch` that measures the first batches and may move the stage
         to worker processes or into the training loop's thread."""
-        if not self._may_switch or self._processes:
+        if self._plan.executor != AUTO:
             return fn, start
-        decided = loader._auto.decision
+        decided = self._plan.decision
         inline_possible = name == "fetch" and self._transfer is None
         make_pool = process_pool(self, loader)
         switch = Switch(
@@ -699,11 +701,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return []
         return [Stage("transfer", self._transfer, 1, on_start=self._transfer.start)]
 
-    def _samples_per_batch(self, loader: DataLoader) -> int:
-        if not self._auto_collation:
-            return 1
-        return max(1, getattr(loader.batch_sampler, "batch_size", None) or 1)
-
     def _staged(
         self,
         loader: DataLoader,
@@ -714,7 +711,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
-        io_seed = self._base_seed + self._num_workers
+        io_seed = int(self._base_seed) + self._num_workers
         io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
         assembler = Assembler(self._auto_collation, self._finish, self._budget)
         preprocess, start = self._cpu_stage(
@@ -724,7 +721,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             else pool.preprocess,
             start,
             "preprocess",
-            tasks_per_batch=self._samples_per_batch(loader),
+            tasks_per_batch=self._plan.samples_per_batch,
         )
         return [
             Stage(
@@ -830,9 +827,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self, began: float, deadline: float | None, stall: float | None, warn_at: float | None
     ) -> Any:
         """The next batch from the pipeline, with ``timeout``, stall warnings and reports."""
+        pipeline = self._pipeline
+        assert pipeline is not None  # with workers
         while True:
             try:
-                data = self._pipeline.get(self._wait_limit(deadline, warn_at))
+                data = pipeline.get(self._wait_limit(deadline, warn_at))
                 if isinstance(data, Deferred):
                     data = run_deferred(data)
             except TimeoutError:
@@ -841,14 +840,14 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                     raise RuntimeError(
                         f"DataLoader timed out after {self._timeout} seconds\n{self.diagnosis()}"
                     ) from None
-                if warn_at is not None and now >= warn_at:
+                if stall is not None and warn_at is not None and now >= warn_at:
                     stall_warn(now - began, stall, self.diagnosis())
                     warn_at = None  # once per wait
                 self._report.maybe_log()
                 continue
             finally:  # a raised batch counts too
-                self._pass.delivered(self._pipeline.last_index)
-                self._budget.commit(self._pipeline.last_index)
+                self._pass.delivered(pipeline.last_index)
+                self._budget.commit(pipeline.last_index)
             self._report.maybe_log()
             return data
 
@@ -927,7 +926,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._budget.reset()  # the budget is per pass
         self._inline_at = 0
         super()._reset(loader, first_iter)
-        self._pass = resume.start_pass(self, loader, None, prime=not self._inline)
+        self._pass = resume.start_pass(self, loader, None, prime=not self._plan.inline)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again

@@ -92,6 +92,6 @@ def _positive_int(value: Any) -> bool:
 
 def _check_seconds(name: str, value: Any) -> None:
     if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0  # NaN
     ):
         raise ValueError(f"{name} should be a positive number of seconds, got {value!r}")

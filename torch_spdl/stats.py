@@ -50,6 +50,7 @@ class LoaderStats:
     suggestion: str = ""
     in_flight: list[InFlight] = field(default_factory=list)  # what the workers are on, oldest first
     executor: str = ""  # what worker_method="auto" decided, and the figures behind it
+    plan: str = ""  # the pass's stages and where each runs (torch_spdl.plan)
 
     def __str__(self) -> str:
         header = (
@@ -69,7 +70,8 @@ class LoaderStats:
         ]
         busy = [f"in flight: {task}" for task in self.in_flight]
         executor = [f"executor: {self.executor}"] if self.executor else []
-        return "\n".join([header, *rows, *footer, *executor, *busy])
+        plan = [f"plan: {self.plan}"] if self.plan else []
+        return "\n".join([header, *rows, *footer, *plan, *executor, *busy])
 
 
 def diagnose(
@@ -158,6 +160,7 @@ class StatsProbe:
         self.stages: list[StageStats] = []
         self.decision: Decision | None = None  # worker_method="auto": decided in an earlier pass
         self.switch: Switch | None = None  # worker_method="auto": deciding in this pass
+        self.plan = ""  # str() of the iterator's plan
 
     def report(self) -> LoaderStats:
         stages = [self._kind(stats.report()) for stats in self.stages]
@@ -166,7 +169,15 @@ class StatsProbe:
         skipped = list(self.budget.failures)
         busy = in_flight(self.stages)
         return LoaderStats(
-            stages, batches, waiting, skipped, bottleneck, suggestion, busy, self._executor()
+            stages,
+            batches,
+            waiting,
+            skipped,
+            bottleneck,
+            suggestion,
+            busy,
+            self._executor(),
+            self.plan,
         )
 
     def _executor(self) -> str:

@@ -1,0 +1,195 @@
+"""The plan of a pass: what the loader's options and its dataset ask of the engine, decided in one
+place.
+
+Every iterator starts from a :class:`Plan` that :func:`make_plan` builds from the loader's
+:class:`~torch_spdl.options.Options`, torch's arguments, the dataset's shape and what
+``worker_method="auto"`` decided in earlier passes. The plan says which stages run, where the CPU
+stage runs, how many batches are in flight, where failing samples are left out, and whether
+batches are pinned and copied to a device; the iterator builds the
+:class:`~torch_spdl.pipeline.Pipeline` from it and decides nothing itself. ``str(plan)`` is shown
+by :meth:`torch_spdl.DataLoader.stats`.
+
+Shapes (what flows through the stages):
+
+- ``"batches"``: a map-style dataset without hooks; one task per batch, the ``fetch`` stage calls
+  ``__getitem__`` (or ``__getitems__``) and ``collate_fn``, as a torch worker does.
+- ``"samples"``: a map-style dataset with ``load``/``preprocess`` hooks; one task per sample
+  through ``load`` (I/O threads or an event loop), ``preprocess`` (the CPU stage) and ``collate``.
+- ``"streams"``: an IterableDataset; each worker iterates its own copy and batches it.
+
+Executors of the CPU stage: ``"inline"`` (the training loop's thread, as ``num_workers=0``),
+``"thread"``, ``"process"`` (a thread per worker process, :mod:`torch_spdl.processes`) and
+``"auto"`` (threads that measure the first batches and may move the stage: :mod:`torch_spdl.auto`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .auto import INLINE, PROCESS, THREAD, Decision
+from .hooks import Hooks
+from .options import Options
+
+AUTO = "auto"
+BATCHES, SAMPLES, STREAMS = "batches", "samples", "streams"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One pass's stages and where each runs."""
+
+    shape: str  # BATCHES, SAMPLES or STREAMS
+    executor: str  # where the CPU stage runs: INLINE, THREAD, PROCESS or AUTO
+    workers: int  # the CPU stage's threads (each owning a process under PROCESS)
+    io_workers: int  # the load stage's threads, or its calls in flight when async (SAMPLES)
+    hooks: Hooks | None  # the hooks the pass runs (None: __getitem__ is one stage)
+    in_flight: int  # batches read from the sampler ahead of the consumer (per worker: STREAMS)
+    samples_per_batch: int  # a batch's tasks in the CPU stage (SAMPLES: one per sample)
+    in_order: bool
+    persistent: bool
+    skips_failures: str | None  # the stage that leaves failing samples out (max_failures > 0)
+    pins: bool  # the stage that finishes a batch pins it
+    transfer: bool  # a transfer stage (one thread, its own stream) copies batches to the device
+    decision: Decision | None  # what "auto" decided before (or for streams, that they stay)
+
+    @property
+    def inline(self) -> bool:
+        return self.executor == INLINE
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages' names, in data-flow order (inline: what the calling thread runs)."""
+        if self.shape == SAMPLES:
+            work: tuple[str, ...] = ("load", "preprocess", "collate")
+        else:
+            work = ("fetch",)
+        return work + (("transfer",) if self.transfer else ())
+
+    def __str__(self) -> str:
+        cpu = "preprocess" if self.shape == SAMPLES else "fetch"
+        where = {
+            INLINE: "in the training loop's thread",
+            THREAD: f"on {self.workers} threads",
+            PROCESS: f"in {self.workers} worker processes",
+            AUTO: f"on {self.workers} threads, measured by worker_method='auto'",
+        }[self.executor]
+        parts = [f"{self.shape}: {' -> '.join(self.stages)}", f"{cpu} {where}"]
+        if self.shape == SAMPLES and not self.inline:
+            parts.append(f"load on {self.io_workers} I/O workers")
+        if not self.inline:
+            parts.append("input order" if self.in_order else "completion order")
+        if self.skips_failures:
+            parts.append(f"failing samples left out in {self.skips_failures}")
+        if self.pins:
+            parts.append("pinned")
+        return "; ".join(parts)
+
+
+def make_plan(
+    options: Options,
+    *,
+    num_workers: int,
+    prefetch_factor: int | None,
+    in_order: bool,
+    persistent: bool,
+    iterable: bool,
+    hooks: Hooks | None,
+    cached: bool,
+    decided: Decision | None,
+    pin_memory: bool,
+    samples_per_batch: int,
+) -> Plan:
+    """The plan of the next pass. ``decided``: what ``"auto"`` concluded in an earlier pass (it
+    applies only while the loader still has workers and ``worker_method="auto"``);
+    ``pin_memory``: whether torch's iterator would pin (``pin_memory=True`` with an
+    accelerator)."""
+    may_switch = num_workers > 0 and options.worker_method == AUTO
+    decided = decided if may_switch else None
+    executor = _executor(options, num_workers, persistent, iterable, decided)
+    hooks = _hooks_run(hooks, executor == PROCESS or may_switch, cached, options)
+    shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
+    transfer = options.device is not None
+    io_batches = -(-options.io_workers // samples_per_batch)  # to keep every I/O worker busy
+    if iterable and may_switch and executor == THREAD:
+        decided = Decision(
+            THREAD,
+            "an IterableDataset's streams stay where they start; "
+            "worker_method='process' runs GIL-bound streams in processes",
+        )
+    return Plan(
+        shape=shape,
+        executor=executor,
+        workers=num_workers,
+        io_workers=options.io_workers,
+        hooks=hooks,
+        in_flight=_in_flight(shape, executor, num_workers, prefetch_factor, io_batches),
+        samples_per_batch=samples_per_batch,
+        in_order=in_order,
+        persistent=persistent,
+        skips_failures=None
+        if not options.max_failures
+        else "collate"
+        if shape == SAMPLES and executor != INLINE
+        else "fetch",
+        pins=pin_memory or (transfer and _on_cuda(options)),
+        transfer=transfer,
+        decision=decided,
+    )
+
+
+def _executor(
+    options: Options,
+    num_workers: int,
+    persistent: bool,
+    iterable: bool,
+    decided: Decision | None,
+) -> str:
+    """Where the CPU stage runs. An inline decision of ``"auto"`` does not apply to persistent
+    workers, which outlive the pass; an IterableDataset's streams stay where they start."""
+    if num_workers == 0:
+        return INLINE
+    if decided is not None and decided.executor == INLINE and not persistent:
+        return INLINE
+    if options.processes or (decided is not None and decided.executor == PROCESS):
+        return PROCESS
+    if options.worker_method == AUTO and not iterable:
+        return AUTO
+    return THREAD
+
+
+def _hooks_run(
+    hooks: Hooks | None, in_processes: bool, cached: bool, options: Options
+) -> Hooks | None:
+    """The hooks a pass runs. Where the stage runs (or may move) in worker processes, a folder
+    that the loader split by itself runs whole in the worker, as torch's does: the files are read,
+    decoded and collated there and one batch comes back through shared memory, where the split
+    would send every sample's bytes out and its image back. A cache or a failure budget needs the
+    split, and keeps it."""
+    whole = in_processes and not cached and not options.max_failures
+    if whole and hooks is not None and hooks.from_folder:
+        return None
+    return hooks
+
+
+def _in_flight(
+    shape: str,
+    executor: str,
+    num_workers: int,
+    prefetch_factor: int | None,
+    io_batches: int,
+) -> int:
+    """Batches ahead of the consumer: ``prefetch_factor`` per worker as in torch, and with hooks
+    enough to keep every I/O thread busy however small the batches."""
+    if executor == INLINE or prefetch_factor is None:
+        return 0
+    if shape == STREAMS:
+        return prefetch_factor  # each worker's own
+    in_flight = prefetch_factor * num_workers
+    if shape == SAMPLES:
+        in_flight = max(in_flight, io_batches)
+    return in_flight
+
+
+def _on_cuda(options: Options) -> bool:
+    device = options.device
+    return device is not None and str(device).startswith("cuda")
