@@ -12,7 +12,8 @@ forked worker processes.
 
 Private *attributes* are read here too, through functions with a fallback: the ``num_samples`` a
 ``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
-the modules the fork server preloads (:func:`forkserver_preload`).
+the modules the fork server preloads (:func:`forkserver_preload`), whether it runs and how to stop
+it (:func:`forkserver_running`, :func:`stop_forkserver`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -357,3 +358,25 @@ def forkserver_preload() -> list[str]:
 
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     return list(getattr(server, "_preload_modules", ["__main__"]))
+
+
+def forkserver_running() -> bool:
+    """Whether this process has started a fork server (its private ``_forkserver_pid``; False
+    where the name is gone, which leaves a running server as it is)."""
+    import multiprocessing.forkserver
+
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None) is not None
+
+
+def stop_forkserver() -> bool:
+    """Stop this process's fork server so that the next worker starts a new one, with the preload
+    list set now; False where the standard library has no private ``_stop`` (the method its own
+    tests use), and the running server stays."""
+    import multiprocessing.forkserver
+
+    stop = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_stop", None)
+    if stop is None:
+        return False
+    stop()
+    return True
