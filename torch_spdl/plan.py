@@ -126,15 +126,20 @@ def make_plan(
         samples_per_batch=samples_per_batch,
         in_order=in_order,
         persistent=persistent,
-        skips_failures=None
-        if not options.max_failures
-        else "collate"
-        if shape == SAMPLES and executor != INLINE
-        else "fetch",
+        skips_failures=_skips_failures(options, shape, executor),
         pins=pin_memory or (transfer and _on_cuda(options)),
         transfer=transfer,
         decision=decided,
     )
+
+
+def _skips_failures(options: Options, shape: str, executor: str) -> str | None:
+    """The one stage that leaves failing samples out, within ``max_failures``: ``collate``, which
+    assembles a batch from the samples that came through load and preprocess, where samples flow
+    through stages; else ``fetch``, which reads them (in the loop's thread, inline)."""
+    if not options.max_failures:
+        return None
+    return "collate" if shape == SAMPLES and executor != INLINE else "fetch"
 
 
 def _executor(
