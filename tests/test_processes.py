@@ -558,6 +558,9 @@ def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idl
     second = processes.start_context(None, UNUSED[1:2])
     assert started_with(second, UNUSED) == (UNUSED[:2], 0)
     assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    processes.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
 
 
 def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():

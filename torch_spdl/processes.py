@@ -468,7 +468,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     context = multiprocessing.get_context("forkserver")
     with _SERVER_LOCK:
         wanted = _forkserver_preload(preload)
-        if forkserver_running() and not set(wanted) <= set(_server_preload):
+        if forkserver_running() and _lacks(_server_preload, wanted):
             if _forkserver_children() or not stop_forkserver():
                 return context  # it keeps what it has: its workers import the rest themselves
             wanted = list(dict.fromkeys([*_server_preload, *wanted]))
@@ -484,6 +484,15 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
 # of the server's runs: a stopped server's children read as dead to their parents.
 _SERVER_LOCK = threading.Lock()
 _server_preload: list[str] = []
+
+
+def _lacks(server: list[str], wanted: list[str]) -> bool:
+    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's own modules
+    count as there: every server imports torch (through this module), and a restart costs a
+    new server's start-up, seconds, for nothing."""
+    return any(
+        name not in server and name != "torch" and not name.startswith("torch.") for name in wanted
+    )
 
 
 def _forkserver_children() -> list[Any]:
