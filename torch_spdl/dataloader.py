@@ -479,9 +479,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._finish = finisher(self._collate_fn, self._pinner())
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
-        self.stats_probe = StatsProbe(self._clock, self._budget, plan.executor == PROCESS)
-        self.stats_probe.decision = plan.decision
-        self.stats_probe.plan = str(plan)
+        self.stats_probe = StatsProbe(self._clock, self._budget, plan)
         self._switch: Switch | None = None
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._stall_warning = loader.stall_warning

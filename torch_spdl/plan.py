@@ -29,6 +29,7 @@ import dataclasses
 from .auto import INLINE, PROCESS, THREAD, Decision
 from .hooks import Hooks
 from .options import Options
+from .transfer import resolve_device
 
 AUTO = "auto"
 BATCHES, SAMPLES, STREAMS = "batches", "samples", "streams"
@@ -196,5 +197,5 @@ def _in_flight(
 
 
 def _on_cuda(options: Options) -> bool:
-    device = options.device
-    return device is not None and str(device).startswith("cuda")
+    device = resolve_device(options.device)
+    return device is not None and device.type == "cuda"

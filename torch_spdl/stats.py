@@ -21,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .auto import PROCESS, Decision
+from .auto import PROCESS
 from .failures import FailureBudget, SampleFailure
 from .pipeline import InFlight, StageReport
 from .pipeline.stats import StageStats, in_flight
 
 if TYPE_CHECKING:
+    from .plan import Plan
     from .switch import Switch
 
 logger = logging.getLogger("torch_spdl")
@@ -153,14 +154,12 @@ class StatsProbe:
     failure budget. The loader keeps the probe of its latest iterator, never the iterator, so
     the figures outlive the pass without keeping its threads alive."""
 
-    def __init__(self, clock: ConsumerClock, budget: FailureBudget, processes: bool) -> None:
+    def __init__(self, clock: ConsumerClock, budget: FailureBudget, plan: Plan) -> None:
         self.clock = clock
         self.budget = budget
-        self.processes = processes  # worker_method="process": the CPU stage waits on processes
+        self.plan = plan  # the pass's: where the CPU stage runs, what "auto" decided before
         self.stages: list[StageStats] = []
-        self.decision: Decision | None = None  # worker_method="auto": decided in an earlier pass
         self.switch: Switch | None = None  # worker_method="auto": deciding in this pass
-        self.plan = ""  # str() of the iterator's plan
 
     def report(self) -> LoaderStats:
         stages = [self._kind(stats.report()) for stats in self.stages]
@@ -177,13 +176,13 @@ class StatsProbe:
             suggestion,
             busy,
             self._executor(),
-            self.plan,
+            str(self.plan),
         )
 
     def _executor(self) -> str:
         """What ``"auto"`` decided, or that it is still measuring."""
         decision = self.switch.decision if self.switch is not None else None
-        decision = decision or self.decision
+        decision = decision or self.plan.decision
         if decision is not None:
             return str(decision)
         if self.switch is not None:
@@ -192,7 +191,7 @@ class StatsProbe:
 
     def _moved(self) -> bool:
         switch = self.switch
-        return self.processes or (switch is not None and switch.route == PROCESS)
+        return self.plan.executor == PROCESS or (switch is not None and switch.route == PROCESS)
 
     def _kind(self, report: StageReport) -> StageReport:
         """A stage whose threads each wait on a worker process is a ``process`` stage: its
