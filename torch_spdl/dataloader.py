@@ -15,6 +15,7 @@ import functools
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any, TypeVar, cast
 
@@ -116,6 +117,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       thread where a batch is cheaper than a hand-off (see :mod:`torch_spdl.auto`);
       ``"thread"`` and ``"process"`` fix the choice (see :mod:`torch_spdl.processes`).
       ``"multiprocessing"`` (torch's name) means ``"process"``.
+    - ``snapshot_every_n_steps``: torchdata's ``StatefulDataLoader`` option, with its meaning:
+      how often (in batches) a sampler's or dataset's own ``state_dict()`` is recorded for
+      :meth:`state_dict`. Each record is a ``state_dict()`` call and a deep copy; a resume
+      starts from the latest record and draws again the batches after it (skipping those
+      already received), so a larger value costs less per batch and more per resume.
     """
 
     # the options (torch_spdl.options), also plain attributes: see __setattr__
@@ -132,6 +138,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     max_failures: int | float
     stats_interval: float | None
     stall_warning: float | None
+    snapshot_every_n_steps: int
 
     def __init__(
         self,
@@ -166,6 +173,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         max_failures: int | float = 0,
         stats_interval: float | None = None,
         stall_warning: float | None = None,
+        snapshot_every_n_steps: int = 1,
     ) -> None:
         super().__init__(
             dataset,
@@ -200,6 +208,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             max_failures=max_failures,
             stats_interval=stats_interval,
             stall_warning=stall_warning,
+            snapshot_every_n_steps=snapshot_every_n_steps,
         )
         # plain attributes too: code that rebuilds a loader from vars(loader) (Lightning) sees them
         self.__dict__.update({name: getattr(self._options, name) for name in NAMES})
@@ -454,8 +463,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
         resumed = resume.take_continuation(loader)
-        # a resumed pass's seeds come from the state: undo the base_seed draw on the global RNG
-        undo_draw = resumed is not None and loader.generator is None
+        # a pass resumed mid-way made its draws before the state: undo the base_seed draw
+        undo_draw = resumed is not None and not resumed.draws_base_seed and loader.generator is None
         with torch.random.fork_rng(devices=[], enabled=undo_draw):
             super().__init__(loader)
         if self._num_workers == 0 and self._timeout != 0:
@@ -466,7 +475,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         plan = self._plan = loader._plan(self)
-        self._pass = resume.start_pass(self, loader, resumed, prime=not plan.inline)
+        self._begin_pass(loader, resumed)
         self._hooks = plan.hooks
         self._streams = WorkerStreams(
             self._dataset,
@@ -923,8 +932,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._index_sampler = loader._index_sampler
         self._budget.reset()  # the budget is per pass
         self._inline_at = 0
+        self._settle()  # the pass before, if it was given up, before the new one draws
         super()._reset(loader, first_iter)
-        self._pass = resume.start_pass(self, loader, None, prime=not self._plan.inline)
+        self._begin_pass(loader, resume.take_continuation(loader))
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again
@@ -935,10 +945,17 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         else:
             self._pipeline.restart(self._make_source(self._sampler_iter))
 
+    def _begin_pass(self, loader: DataLoader, continuation: resume.Continuation | None) -> None:
+        """Record the pass that starts now; however it ends, its sampler is settled
+        (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed."""
+        self._pass = resume.start_pass(self, loader, continuation, prime=not self._plan.inline)
+        self._settle = weakref.finalize(self, self._pass.settle)
+
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
         if self._pipeline is not None:
             self._pipeline.close()
+        self._settle()
 
 
 def run_deferred(deferred: Deferred) -> Any:

@@ -46,12 +46,14 @@ class Options:
     max_failures: int | float = 0
     stats_interval: float | None = None
     stall_warning: float | None = None
+    snapshot_every_n_steps: int = 1
 
     def __post_init__(self) -> None:
-        if not _positive_int(self.io_workers):
-            raise ValueError(
-                f"io_workers option should be a positive integer, got {self.io_workers!r}"
-            )
+        for name in ("io_workers", "snapshot_every_n_steps"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(
+                    f"{name} option should be a positive integer, got {getattr(self, name)!r}"
+                )
         if self.uneven_ranks is not None and self.uneven_ranks not in UNEVEN_RANKS:
             raise ValueError(
                 f"uneven_ranks option should be 'pad', 'drop' or None, got {self.uneven_ranks!r}"

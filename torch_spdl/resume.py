@@ -22,11 +22,15 @@ How a pass is replayed:
   sampler is fast-forwarded: iterated again from its start with the received batches skipped,
   which is exact when it is deterministic (``SequentialSampler``, ``DistributedSampler``, a
   fixed list) and not when it draws from the global RNG on its own.
-- **The RNG streams.** A resumed pass draws nothing from the global RNG or the loader's
+- **The RNG streams.** A pass resumed mid-way draws nothing from the global RNG or the loader's
   ``generator``: its ``base_seed`` and the sampler's randomness come from the state, and the
   generator is set to where it stood, so the pass after it (the next epoch) is the one an
   uninterrupted run makes — for ``generator=None`` provided the global RNG is restored too
-  (``torch.set_rng_state``), as any exactly resumed training run does.
+  (``torch.set_rng_state``), as any exactly resumed training run does. A state taken between
+  passes fixes the next pass's seeds instead (:func:`next_pass`), for the saving loader too, and
+  carries the generators inside a user's sampler.
+- **An abandoned pass** (``break``) leaves a replayed sampler's generator where torch's loader
+  would: see :meth:`PassRecord.settle`.
 - **Epochs.** Under a process group the loader's ``DistributedSampler`` is deterministic per
   (seed, epoch, rank): the state keeps the pass's epoch, and each rank saves and loads its own.
 
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +59,7 @@ from .compat import is_iterable, random_sampler_num_samples
 from .sampling import AutoEpochSampler
 
 STATE_VERSION = 1
+_END = object()  # an index stream's end, for next(stream, _END)
 
 # torch samplers whose randomness is taken lazily, when their pass starts, from ``.generator``
 # (or, for RandomSampler without one, from a seed drawn off the global RNG): replayable.
@@ -180,6 +185,12 @@ class Continuation:
     sampler_rng: tuple[str, Any] | None  # ("seed", int) or ("state", bytes), when recorded
     done: Progress  # batch numbers already received
     start: int  # the number of the first batch the (restored) sampler yields
+    # Which of torch's draws the pass still makes (and drops, using the values above), so the
+    # global RNG moves on as it would have: a next pass fixed between passes makes its draws
+    # after the state; a pass resumed mid-way made them before it, and a persistent iterator's
+    # next pass draws no base_seed.
+    draws_base_seed: bool = False
+    draws_sampler_seed: bool = False
 
 
 @dataclass
@@ -203,6 +214,10 @@ class _Replay:
         self._record = record
         self._it: Iterator[Any] | None = None
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self._sampler.generator
+
     def __iter__(self) -> Iterator[Any]:
         """The replayed sampler's own iterator, so drawing an index costs no wrapper call."""
         return self.start()
@@ -217,7 +232,9 @@ class _Replay:
         if sampler.generator is None:
             if saved is not None and saved[0] != "seed":
                 raise ValueError("the state recorded a sampler generator; this sampler has none")
-            seed = saved[1] if saved else int(torch.empty((), dtype=torch.int64).random_().item())
+            if saved is None or self._record.draws_sampler_seed:
+                drawn = _draw(None)  # torch's draw (dropped where the state fixed the seed)
+            seed = int(saved[1]) if saved else drawn
             self._record.sampler_rng = ("seed", seed)
             generator = torch.Generator()
             generator.manual_seed(seed)
@@ -251,14 +268,19 @@ class PassRecord:
         epoch: int | None,
         continuation: Continuation | None,
         tracked: bool,
+        window: int = 0,
+        snapshot_every: int = 1,
     ) -> None:
         self.base_seed = base_seed
+        self.window = window  # batches torch's loader reads ahead of the consumer: see settle()
+        self.snapshot_every = snapshot_every  # a stateful sampler's state: every n batches drawn
         self.generator = generator
         self.epoch = epoch
         self.tracked = tracked  # map-style: batches are numbered and can be replayed
         self.finished = False  # the iterator raised StopIteration for this pass
         c = continuation
         self.sampler_rng = c.sampler_rng if c else None
+        self.draws_sampler_seed = c.draws_sampler_seed if c else True
         self.skip = c.done if c else Progress()  # received before this pass resumed: not drawn
         self.done = self.skip.copy()
         self.start = c.start if c else 0
@@ -268,6 +290,11 @@ class PassRecord:
         self._snapshots: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._replay: _Replay | None = None
+        self._fresh: Callable[[], Iterator[Any]] | None = None  # the replayed sampler, anew
+        self._draw_lock = threading.Lock()  # one draw at a time, none once the pass is settled
+        self._drawn = 0  # next() calls on the index stream, the one that ended it included
+        self._exhausted = False
+        self._settled = False
 
     # -- source side ------------------------------------------------------------------------
     def track(self, index_sampler: Any, created: Iterator[Any], prime: bool) -> Iterator[Any]:
@@ -297,19 +324,61 @@ class PassRecord:
         if type(index_sampler) is BatchSampler:
             # torch's own BatchSampler over our iterator of its sampler: same grouping code
             inner = self._samples(index_sampler.sampler)
-            return iter(BatchSampler(inner, index_sampler.batch_size, index_sampler.drop_last))
+            size, drop_last = index_sampler.batch_size, index_sampler.drop_last
+            self._fresh = lambda: iter(BatchSampler(index_sampler.sampler, size, drop_last))
+            return iter(BatchSampler(inner, size, drop_last))
         if _replayable(index_sampler):
+            self._fresh = lambda: iter(index_sampler)
             return self._samples(index_sampler)
         return created
 
     def _skipping(self, batches: Iterable[Any]) -> Iterator[Any]:
         number = self.start
-        for batch in batches:
+        stream = iter(batches)
+        while True:
+            with self._draw_lock:
+                if self._settled:  # the pass was given up: the sampler stays where it was left
+                    return
+                self._drawn += 1
+                batch = next(stream, _END)
+                self._exhausted = batch is _END
+            if batch is _END:
+                return
             number += 1
-            if self._stateful is not None:
+            if self._stateful is not None and number % self.snapshot_every == 0:
                 self._snapshot(number)
             if number - 1 not in self.skip:
                 yield batch
+
+    def settle(self) -> None:
+        """The pass is given up (``break``, ``close()``, the iterator dropped, a persistent
+        iterator's next pass): leave the sampler's generator where torch's loader leaves it.
+
+        torch reads ``num_workers * prefetch_factor`` batches ahead and then one per batch it
+        hands over, so after ``k`` batches its sampler has been read ``window + k`` times, and a
+        RandomSampler that was read to its end has drawn its next permutation. Our source reads
+        ahead as far as thread timing lets it; a sampler generator left there would make the
+        next epoch depend on that timing. So: no draw after this, and where the count differs,
+        the generator goes back to where the pass began and the same sampler code draws torch's
+        count again. Only a replayed sampler with a generator of its own needs it (one without
+        draws its pass's seed once, at the start).
+        """
+        with self._draw_lock:
+            if self._settled:
+                return
+            self._settled = True
+            rng, fresh = self.sampler_rng, self._fresh
+            if self.finished or rng is None or rng[0] != "state" or fresh is None:
+                return
+            assert self._replay is not None  # _fresh is set with it
+            target = self.window + len(self.done)
+            if target == self._drawn or (self._exhausted and target >= self._drawn):
+                return
+            set_generator_state(self._replay.generator, rng[1])
+            stream = fresh()
+            for _ in range(target):
+                if next(stream, _END) is _END:
+                    break
 
     def _snapshot(self, drawn: int) -> None:
         """The sampler's state once ``drawn`` batches have come out of it."""
@@ -390,6 +459,8 @@ def start_pass(
         None if epoch is None else epoch["epoch"],  # the pass's own; the loader's moves on
         continuation,
         tracked=not is_iterable(iterator._dataset),
+        window=loader.num_workers * (loader.prefetch_factor or 0),
+        snapshot_every=loader.snapshot_every_n_steps,
     )
     if record.tracked:
         iterator._sampler_iter = record.track(
@@ -437,13 +508,97 @@ def loader_state(loader: Any) -> dict[str, Any]:
         return state
     target = stateful_sampler(loader._index_sampler)
     iterator = loader._iterator  # a persistent iterator: its next pass keeps its base_seed
+    base_seed = None if iterator is None else iterator._base_seed
+    following = next_pass(loader, base_seed if _reuses_iterator(loader) else None)
     state["between"] = {
         "generator": generator_state(loader.generator),
         "epoch": epoch_state(loader._own_samplers[0]),
-        "base_seed": None if iterator is None else iterator._base_seed,
+        "base_seed": base_seed,
         "sampler_state": None if target is None else copy.deepcopy(target.state_dict()),
+        "sampler_generators": [generator_state(g) for g in sampler_generators(loader)],
+        "next_pass": _pass_seeds(following),
     }
+    # The loader that saved it starts its next pass from the same seeds as a loader resumed
+    # from it: both then make the same epoch, whatever the global RNG holds by then.
+    loader._resume = Pending(copy.deepcopy(state), following)
     return state
+
+
+def _reuses_iterator(loader: Any) -> bool:
+    return bool(loader.persistent_workers and loader.num_workers > 0)
+
+
+def sampler_generators(loader: Any) -> list[torch.Generator]:
+    """The generators inside the loader's index sampler (a RandomSampler given as ``sampler=``
+    or inside ``batch_sampler=``), other than ``loader.generator``: where their next pass's
+    randomness comes from, so a state between passes carries them."""
+    index_sampler = loader._index_sampler
+    found: list[torch.Generator] = []
+    for holder in (index_sampler, getattr(index_sampler, "sampler", None)):
+        generator = getattr(holder, "generator", None)
+        known = [loader.generator, *found]
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in known):
+            found.append(generator)
+    return found
+
+
+def _draw(generator: torch.Generator | None) -> int:
+    """torch's draw of a seed (its loader's ``base_seed``, its RandomSampler's pass seed)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def _copy_of(generator: torch.Generator | None) -> torch.Generator:
+    """A generator in ``generator``'s state (the global RNG's for None), to draw ahead from."""
+    copied = torch.Generator()
+    copied.set_state(torch.get_rng_state() if generator is None else generator.get_state())
+    return copied
+
+
+def next_pass(loader: Any, base_seed: int | None) -> Continuation:
+    """The seeds the loader's next pass draws, drawn now from copies of their generators.
+
+    torch draws them when the pass starts: the loader's ``base_seed`` from its ``generator``
+    (or the global RNG), a RandomSampler without a generator its pass's seed from the global
+    RNG. A loader resumed in a fresh process has another global RNG; fixing the values here is
+    what makes its next epoch the one the saving loader makes. ``base_seed`` is the persistent
+    iterator's, which its next pass keeps (no draw).
+    """
+    global_rng = _copy_of(None)
+    generator = loader.generator
+    draws_base_seed = base_seed is None
+    if base_seed is None:
+        drawn_from = global_rng if generator is None else _copy_of(generator)
+        base_seed = _draw(drawn_from)
+        after = None if generator is None else generator_state(drawn_from)
+    else:
+        after = generator_state(generator)
+    sampler = replayed_sampler(loader._index_sampler)
+    seeded = sampler is not None and sampler.generator is None
+    return Continuation(
+        base_seed=base_seed,
+        generator=after,
+        sampler_rng=("seed", _draw(global_rng)) if seeded else None,
+        done=Progress(),
+        start=0,
+        draws_base_seed=draws_base_seed,
+        draws_sampler_seed=True,
+    )
+
+
+def replayed_sampler(index_sampler: Any) -> Any:
+    """The torch sampler a pass replays (see :class:`_Replay`), or None."""
+    inner = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    return inner if _replayable(inner) else None
+
+
+def _pass_seeds(continuation: Continuation) -> dict[str, Any]:
+    rng = continuation.sampler_rng
+    return {
+        "base_seed": continuation.base_seed,
+        "generator": continuation.generator,
+        "sampler_rng": None if rng is None else list(rng),
+        "draws_base_seed": continuation.draws_base_seed,
+    }
 
 
 def _check_config(loader: Any, state: Any) -> None:
@@ -502,12 +657,35 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
 def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
     restore_epoch(loader._own_samplers[0], saved["epoch"])
     _load_sampler(stateful_sampler(loader._index_sampler), saved["sampler_state"])
-    reuses_iterator = loader.persistent_workers and loader.num_workers > 0
-    if saved["base_seed"] is None or not reuses_iterator:
-        set_generator_state(loader.generator, saved["generator"])  # the next pass draws from it
+    _load_generators(sampler_generators(loader), saved.get("sampler_generators", []))
+    set_generator_state(loader.generator, saved["generator"])  # as the saving loader left it
+    following = saved.get("next_pass")
+    if following is not None:
+        rng = following["sampler_rng"]
+        return Continuation(
+            int(following["base_seed"]),
+            following["generator"],
+            None if rng is None else (rng[0], rng[1]),
+            Progress(),
+            0,
+            draws_base_seed=bool(following["draws_base_seed"]),
+            draws_sampler_seed=True,
+        )
+    # a state from before next_pass was recorded
+    if saved["base_seed"] is None or not _reuses_iterator(loader):
         return None
     # The saving loader's next pass reuses its iterator, drawing no new base_seed: nor may ours.
     return Continuation(saved["base_seed"], saved["generator"], None, Progress(), 0)
+
+
+def _load_generators(generators: list[torch.Generator], saved: list[bytes | None]) -> None:
+    if len(generators) != len(saved):
+        raise ValueError(
+            f"this DataLoader state has {len(saved)} sampler generator(s), the loader's sampler "
+            f"has {len(generators)}: build the sampler as it was when the state was saved"
+        )
+    for generator, state in zip(generators, saved, strict=True):
+        set_generator_state(generator, state)
 
 
 def load_state(loader: Any, state: Any) -> Pending:

@@ -1,0 +1,218 @@
+"""Resume as torchdata's StatefulDataLoader does, and where torch's own loader is deterministic.
+
+Each test runs torch_spdl beside the loader whose behaviour it should match: torch's
+``DataLoader`` for what an uninterrupted job sees (how far an abandoned epoch moved the
+sampler's generator), torchdata's ``StatefulDataLoader`` for what a resumed job sees. A fresh
+process is imitated by re-seeding the global RNG elsewhere before the resumed loader is built.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+
+from torch_spdl import DataLoader
+
+N = 28
+DATA = list(range(N))
+
+
+def epoch(loader: Any) -> list[list[int]]:
+    return [batch.tolist() for batch in loader]
+
+
+def abandon(loader: Any, received: int) -> None:
+    """Take ``received`` batches of a new pass, then ``break`` (the iterator is dropped)."""
+    for count, _batch in enumerate(loader, 1):
+        if count == received:
+            break
+
+
+def elsewhere(state: dict) -> dict:
+    """The state as a restarted process reads it: pickled, with the global RNG elsewhere."""
+    torch.manual_seed(12345)
+    return pickle.loads(pickle.dumps(state))
+
+
+# -- how far an abandoned epoch reads the sampler: torch's count, whatever the threads did ------
+@pytest.mark.parametrize("received", [1, 2, 5])
+@pytest.mark.parametrize(
+    "workers, prefetch, persistent, in_order",
+    [(1, 1, False, True), (3, 2, False, True), (2, 2, True, True), (2, 3, False, False)],
+)
+def test_next_epoch_after_a_break_is_the_one_torch_makes(
+    workers, prefetch, persistent, in_order, received
+):
+    """A RandomSampler read to its end draws its next permutation: the next epoch depends on
+    how far the abandoned one was read. torch reads ``workers * prefetch`` batches ahead, then
+    one per batch handed over; ours must leave the generator there too, on every run."""
+
+    def next_epoch(cls: type, **extra: Any) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(5)
+        loader = cls(
+            DATA,
+            batch_size=4,
+            shuffle=True,
+            generator=generator,
+            num_workers=workers,
+            prefetch_factor=prefetch,
+            persistent_workers=persistent,
+            in_order=in_order,
+            **extra,
+        )
+        abandon(loader, received)
+        batches = epoch(loader)
+        return batches if in_order else sorted(batches)  # completion order: which batches
+
+    want = next_epoch(tud.DataLoader)
+    for _ in range(4):  # thread timing differs from run to run; the result may not
+        assert next_epoch(DataLoader) == want
+
+
+def test_next_epoch_after_a_break_in_worker_processes_is_torchs():
+    def next_epoch(cls: type, **extra: Any) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(9)
+        loader = cls(DATA, batch_size=4, shuffle=True, generator=generator, num_workers=2, **extra)
+        abandon(loader, 2)
+        return epoch(loader)
+
+    assert next_epoch(DataLoader, worker_method="process") == next_epoch(tud.DataLoader)
+
+
+def test_next_epoch_after_close_is_torchs():
+    """An iterator closed by hand, not dropped, settles its sampler the same way."""
+    generator = torch.Generator().manual_seed(5)
+    ours = DataLoader(DATA, batch_size=4, shuffle=True, generator=generator, num_workers=3)
+    iterator = iter(ours)
+    next(iterator)
+    iterator.close()
+    torch_generator = torch.Generator().manual_seed(5)
+    torchs = tud.DataLoader(
+        DATA, batch_size=4, shuffle=True, generator=torch_generator, num_workers=3
+    )
+    abandon(torchs, 1)
+    assert epoch(ours) == epoch(torchs)
+
+
+# -- a state taken between epochs -------------------------------------------------------------
+def _sampler_loader(cls: type, via: str) -> Any:
+    sampler = tud.RandomSampler(DATA, generator=torch.Generator().manual_seed(3))
+    if via == "batch_sampler":
+        return cls(DATA, batch_sampler=tud.BatchSampler(sampler, 4, False))
+    return cls(DATA, sampler=sampler, batch_size=4)
+
+
+@pytest.mark.parametrize("via", ["sampler", "batch_sampler"])
+def test_a_users_sampler_generator_is_carried_between_epochs(via):
+    """torch's RandomSampler with its own generator, given by the user: a state at the end of
+    epoch 0 must not make the resumed epoch 1 replay epoch 0 (torchdata's loader does)."""
+    saving = _sampler_loader(DataLoader, via)
+    first = epoch(saving)
+    state = saving.state_dict()
+    want = [epoch(saving), epoch(saving)]
+    resumed = _sampler_loader(DataLoader, via)
+    resumed.load_state_dict(elsewhere(state))
+    got = [epoch(resumed), epoch(resumed)]
+    assert got == want
+    assert got[0] != first
+
+
+def test_a_sampler_generator_that_is_missing_is_refused():
+    saving = _sampler_loader(DataLoader, "sampler")
+    epoch(saving)
+    state = saving.state_dict()
+    plain = DataLoader(DATA, batch_size=4, shuffle=False)
+    with pytest.raises(ValueError, match="sampler"):
+        plain.load_state_dict(state)
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_next_epoch_after_an_end_of_epoch_state_without_a_generator(workers, persistent):
+    """``shuffle=True, generator=None``: the next epoch's permutation comes from the global RNG
+    when it starts. Resumed in a process whose global RNG is elsewhere, the next epoch is still
+    the saving job's next epoch, as torchdata's loader resumes it."""
+
+    def job(cls: type) -> tuple[list, list]:
+        torch.manual_seed(0)
+        kwargs = dict(num_workers=workers, persistent_workers=persistent)
+        saving = cls(DATA, batch_size=4, shuffle=True, **kwargs)
+        epoch(saving)
+        state = saving.state_dict()
+        want = [epoch(saving), epoch(saving)]
+        resumed = cls(DATA, batch_size=4, shuffle=True, **kwargs)
+        resumed.load_state_dict(elsewhere(state))
+        return [epoch(resumed), epoch(resumed)], want
+
+    got, want = job(DataLoader)
+    assert got[0] == want[0]
+    torchdata_got, torchdata_want = job(StatefulDataLoader)
+    assert torchdata_got[0] == torchdata_want[0]  # the contract, as torchdata keeps it
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_states_taken_every_epoch_leave_torchs_epochs_and_rng(workers, persistent):
+    """Taking a state between epochs fixes the next epoch's seeds; with no draw in between they
+    are torch's, and the global RNG moves on as under torch's loader."""
+
+    def job(cls: type, save: bool) -> list:
+        torch.manual_seed(0)
+        loader = cls(
+            DATA, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent
+        )
+        seen: list = []
+        for _ in range(3):
+            seen.append(epoch(loader))
+            if save:
+                loader.state_dict()
+        return [seen, torch.rand(2).tolist()]
+
+    assert job(DataLoader, save=True) == job(tud.DataLoader, save=False)
+
+
+# -- snapshot_every_n_steps ---------------------------------------------------------------------
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, None, "2"])
+def test_snapshot_every_n_steps_must_be_a_positive_int(value):
+    with pytest.raises(ValueError, match=r"snapshot_every_n_steps option should be a positive"):
+        DataLoader(DATA, snapshot_every_n_steps=value)
+
+
+def _stateful(cls: type, every: int, workers: int) -> Any:
+    sampler = StatefulRandomSampler(DATA, generator=torch.Generator().manual_seed(11))
+    return cls(
+        DATA,
+        batch_sampler=StatefulBatchSampler(sampler, 3, False),
+        num_workers=workers,
+        snapshot_every_n_steps=every,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("every", [1, 3, 100])
+@pytest.mark.parametrize("taken", [2, 4])
+def test_stateful_sampler_resumes_with_any_snapshot_interval(every, workers, taken):
+    """torchdata's own stateful samplers, its option: the rest of the epoch and the next one
+    equal the uninterrupted run's, for torchdata's loader and ours alike."""
+
+    def job(cls: type) -> tuple[list, list]:
+        uninterrupted = _stateful(cls, every, workers)
+        want = [epoch(uninterrupted), epoch(uninterrupted)]
+        saving = _stateful(cls, every, workers)
+        iterator = iter(saving)
+        head = [next(iterator).tolist() for _ in range(taken)]
+        state = saving.state_dict()
+        del iterator
+        resumed = _stateful(cls, every, workers)
+        resumed.load_state_dict(elsewhere(state))
+        return [head + epoch(resumed), epoch(resumed)], want
+
+    got, want = job(DataLoader)
+    assert got == want
+    torchdata_got, torchdata_want = job(StatefulDataLoader)
+    assert torchdata_got == torchdata_want
