@@ -572,12 +572,10 @@ class Stream(tud.IterableDataset):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_iterable_dataset_state_only_between_passes(num_workers):
+def test_iterable_dataset_state_between_passes(num_workers):
     loader = DataLoader(Stream(), batch_size=3, num_workers=num_workers)
     it = iter(loader)
     next(it)
-    with pytest.raises(NotImplementedError, match="IterableDataset"):
-        loader.state_dict()
     run(it)
     state = loader.state_dict()
     fresh = DataLoader(Stream(), batch_size=3, num_workers=num_workers)

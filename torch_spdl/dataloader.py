@@ -475,6 +475,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         plan = self._plan = loader._plan(self)
+        self._received = resume.ReceivedStreams()  # what a resumed stream's workers drop
         self._begin_pass(loader, resumed)
         self._hooks = plan.hooks
         self._streams = WorkerStreams(
@@ -535,7 +536,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         position in the pass, as the pipeline's are)."""
         hooks = self._hooks
         if self._plan.shape == STREAMS:
-            batches = iter(self._iterable_worker()(0))  # the batches a worker would make
+            batches = iter(self._received.wrap(self._iterable_worker())(0))  # as a worker's
             return lambda task: next(batches)
         if hooks is None:
             return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -583,7 +584,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         )
         if iterable:
             streams = WorkerSource(
-                self._iterable_worker() if pool is None else pool.batches,
+                self._received.wrap(self._iterable_worker() if pool is None else pool.batches),
                 self._num_workers,
                 max_in_flight=plan.in_flight,
                 name="fetch",
@@ -950,6 +951,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed."""
         self._pass = resume.start_pass(self, loader, continuation, prime=not self._plan.inline)
         self._settle = weakref.finalize(self, self._pass.settle)
+        self._received.received = self._pass.received_before
 
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""

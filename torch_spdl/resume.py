@@ -34,14 +34,16 @@ How a pass is replayed:
 - **Epochs.** Under a process group the loader's ``DistributedSampler`` is deterministic per
   (seed, epoch, rank): the state keeps the pass's epoch, and each rank saves and loads its own.
 
-IterableDatasets are not replayed: their state can be taken between passes (the next pass then
-starts as an uninterrupted run's would), and asking for it mid-pass raises.
+An IterableDataset's pass records, per worker, the numbers of the batches received; a resumed
+pass reads each worker's stream again and puts SKIPPED in the place of those (:class:`SkipReceived`),
+with a warning: exact for a stream that yields the same items every pass.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ from torch.utils.data import (
 )
 
 from .compat import is_iterable, random_sampler_num_samples
+from .failures import SKIPPED
 from .sampling import AutoEpochSampler
 
 STATE_VERSION = 1
@@ -191,6 +194,8 @@ class Continuation:
     # next pass draws no base_seed.
     draws_base_seed: bool = False
     draws_sampler_seed: bool = False
+    # an IterableDataset's pass: per worker, the numbers of its batches already received
+    streams: tuple[Progress, ...] | None = None
 
 
 @dataclass
@@ -270,6 +275,7 @@ class PassRecord:
         tracked: bool,
         window: int = 0,
         snapshot_every: int = 1,
+        workers: int = 1,
     ) -> None:
         self.base_seed = base_seed
         self.window = window  # batches torch's loader reads ahead of the consumer: see settle()
@@ -284,6 +290,11 @@ class PassRecord:
         self.skip = c.done if c else Progress()  # received before this pass resumed: not drawn
         self.done = self.skip.copy()
         self.start = c.start if c else 0
+        # An IterableDataset's pass: worker w's k-th batch is the pass's item k * workers + w
+        # (WorkerSource's numbering; one stream with no workers). Per worker, what was received.
+        self.received_before = c.streams if c else None  # what a resumed stream drops
+        before = self.received_before or [Progress() for _ in range(workers)]
+        self.streams_done = [received.copy() for received in before]
         self._skip_later = sorted(self.skip.later)
         self._taken = 0
         self._stateful: Any = None
@@ -394,7 +405,11 @@ class PassRecord:
 
     def delivered(self, position: int | None) -> None:
         """The item at ``position`` of this pass's stream reached the user (or raised)."""
-        if position is None or not self.tracked:
+        if position is None:
+            return
+        if not self.tracked:
+            workers = len(self.streams_done)
+            self.streams_done[position % workers].add(position // workers)
             return
         self.done.add(self._number(position))
         if self._stateful is not None:
@@ -422,6 +437,13 @@ class PassRecord:
             del self._snapshots[drawn]
 
     def state(self) -> dict[str, Any]:
+        if not self.tracked:
+            return {
+                "base_seed": self.base_seed,
+                "generator": self.generator,
+                "epoch": None if self.epoch is None else {"epoch": self.epoch},
+                "streams": [done.state() for done in self.streams_done],
+            }
         sampler_state = None
         if self._stateful is not None:
             with self._lock:
@@ -435,6 +457,70 @@ class PassRecord:
             "yielded": self.done.state(),
             "sampler_state": sampler_state,
         }
+
+
+# -- an IterableDataset's pass, resumed -----------------------------------------------------------
+class SkipReceived:
+    """One worker's batches in a resumed pass: those received before the state become
+    :data:`~torch_spdl.failures.SKIPPED` in their place, so each keeps its position in the
+    round robin over workers and the rest come in the uninterrupted run's order.
+
+    An iterator object, not a generator: a batch that raises leaves it usable, as the worker's
+    own iterator is (a batch that raised counts as received, and is skipped without raising).
+    """
+
+    def __init__(self, batches: Iterable[Any], received: Progress) -> None:
+        self._batches = iter(batches)
+        self._received = received
+        self._number = 0
+
+    def __iter__(self) -> SkipReceived:
+        return self
+
+    def __next__(self) -> Any:
+        number = self._number
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise
+        except Exception:
+            self._number += 1
+            if number in self._received:
+                return SKIPPED
+            raise
+        self._number += 1
+        return SKIPPED if number in self._received else batch
+
+
+class ReceivedStreams:
+    """What each worker's stream drops in the current pass, read when the worker starts it:
+    the workers' function holds this, not the iterator (a persistent pipeline calls it again
+    every pass)."""
+
+    def __init__(self) -> None:
+        self.received: tuple[Progress, ...] | None = None
+
+    def wrap(self, batches_of: Callable[[int], Iterable[Any]]) -> Callable[[int], Iterable[Any]]:
+        def batches(worker: int) -> Iterable[Any]:
+            received = self.received
+            if received is None or not len(received[worker]):
+                return batches_of(worker)
+            return SkipReceived(batches_of(worker), received[worker])
+
+        return batches
+
+
+def warn_fast_forward(dataset: Any, received: tuple[Progress, ...]) -> None:
+    count = sum(len(done) for done in received)
+    warnings.warn(
+        f"resuming a pass over {type(dataset).__name__} (an IterableDataset) in its middle: "
+        f"each worker's stream is read again from its start and the {count} batch(es) already "
+        f"received are dropped, as torchdata's StatefulDataLoader fast-forwards a dataset "
+        f"without state. The rest of the pass is the uninterrupted one only if the stream "
+        f"yields the same items in the same order every pass.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 # -- the iterator's side ---------------------------------------------------------------------------
@@ -461,12 +547,17 @@ def start_pass(
         tracked=not is_iterable(iterator._dataset),
         window=loader.num_workers * (loader.prefetch_factor or 0),
         snapshot_every=loader.snapshot_every_n_steps,
+        workers=max(loader.num_workers, 1),
     )
+    if record.received_before is not None and any(map(len, record.received_before)):
+        warn_fast_forward(loader.dataset, record.received_before)
     if record.tracked:
         iterator._sampler_iter = record.track(
             iterator._index_sampler, iterator._sampler_iter, prime
         )
         iterator._num_yielded = len(record.done)
+    else:
+        iterator._num_yielded = sum(map(len, record.streams_done))
     loader._pass = record
     return record
 
@@ -498,12 +589,6 @@ def loader_state(loader: Any) -> dict[str, Any]:
     state: dict[str, Any] = {"version": STATE_VERSION, "config": describe(loader), "pass": None}
     record: PassRecord | None = loader._pass
     if record is not None and not record.finished:
-        if not record.tracked:
-            raise NotImplementedError(
-                "DataLoader.state_dict() in the middle of a pass over an IterableDataset: "
-                "torch_spdl resumes map-style datasets only; take the state between epochs "
-                "(after the iterator is exhausted), or use a map-style dataset"
-            )
         state["pass"] = record.state()
         return state
     target = stateful_sampler(loader._index_sampler)
@@ -637,6 +722,8 @@ def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
 
 
 def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
+    if "streams" in saved:
+        return _continue_streams(loader, saved)
     done = Progress.from_state(saved["yielded"])
     batches = _length(loader._index_sampler)
     if batches is not None and max([done.prefix, *(n + 1 for n in done.later)]) > batches:
@@ -651,6 +738,24 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
         sampler_rng=None if rng is None else (rng[0], rng[1]),
         done=done,
         start=0 if target is None else int(saved["sampler_state"]["at"]),
+    )
+
+
+def _continue_streams(loader: Any, saved: dict[str, Any]) -> Continuation:
+    """An IterableDataset's pass: its workers' streams are read again, dropping what was
+    received (:class:`SkipReceived`); they must be split as they were."""
+    streams = tuple(Progress.from_state(received) for received in saved["streams"])
+    workers = max(loader.num_workers, 1)
+    if len(streams) != workers:
+        raise ValueError(
+            f"this DataLoader state was taken in the middle of a pass over an IterableDataset "
+            f"with {len(streams)} worker stream(s); this loader has {workers}: each worker "
+            f"reads its own part of the stream, so build the loader with "
+            f"num_workers={len(streams) if len(streams) > 1 else 0}"
+        )
+    restore_epoch(loader._own_samplers[0], saved["epoch"])
+    return Continuation(
+        int(saved["base_seed"]), saved["generator"], None, Progress(), 0, streams=streams
     )
 
 

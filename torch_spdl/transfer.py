@@ -19,6 +19,8 @@ from typing import Any, cast
 
 import torch
 
+from .failures import SKIPPED
+
 Transform = Callable[[Any], Any]
 
 
@@ -99,6 +101,8 @@ class DeviceTransfer:
 
     def __call__(self, batch: Any) -> Any:
         """On the transfer thread: issue the copies and the transform; do not wait for them."""
+        if batch is SKIPPED:  # no batch here (its samples all failed, or it was received)
+            return batch
         if self.stream is None:
             return self._move(batch, non_blocking=False)
         with torch.cuda.stream(self.stream):
