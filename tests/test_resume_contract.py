@@ -9,6 +9,7 @@ process is imitated by re-seeding the global RNG elsewhere before the resumed lo
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any
 
 import pytest
@@ -327,3 +328,155 @@ def test_a_stream_batch_that_raised_counts_as_received(num_workers):
         rest = epoch(resumed)
     # the batch of items 3 and 4 was lost with its error (item 3 with it, as in torch's workers)
     assert head + rest == [[1, 2], [5, 6], [7, 8], [9, 10], [11, 12]]
+
+
+# -- datasets and iterators with state of their own (torchdata's Stateful protocol) -------------
+class Positions(tud.IterableDataset):
+    """Worker w's items w * 100 + i; its iterator's state is its position. ``reads`` counts the
+    items read (the worker threads share it), so a test sees what a resume read again."""
+
+    reads: list[int] = []
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        worker = 0 if info is None else info.id
+        return PositionsIter(worker * 100, 9 + worker * 4)
+
+
+class PositionsIter:
+    def __init__(self, base: int, length: int) -> None:
+        self.base, self.length, self.position = base, length, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.position >= self.length:
+            raise StopIteration
+        Positions.reads.append(self.base + self.position)
+        self.position += 1
+        return self.base + self.position - 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize(
+    "options", [dict(num_workers=0), dict(num_workers=2), dict(num_workers=3, in_order=False)]
+)
+def test_a_stream_with_state_is_restored_not_read_again(options, every):
+    def make(cls: type) -> Any:
+        return cls(Positions(), batch_size=2, snapshot_every_n_steps=every, **options)
+
+    def job(cls: type) -> tuple[list, list, int]:
+        want = epoch(make(cls))
+        saving = make(cls)
+        iterator = iter(saving)
+        head = [next(iterator).tolist() for _ in range(3)]
+        state = saving.state_dict()
+        del iterator
+        resumed = make(cls)
+        resumed.load_state_dict(elsewhere(state))
+        Positions.reads.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no fast-forward warning
+            rest = epoch(resumed)
+        return head + rest, want, len(Positions.reads)
+
+    got, want, reads = job(DataLoader)
+    in_order = options.get("in_order", True)
+    assert got == want if in_order else sorted(got) == sorted(want)
+    items = sum(len(batch) for batch in want)
+    received = 6  # three batches of two
+    # restored where it was recorded: at most every - 1 batches per worker are read again
+    workers = max(options["num_workers"], 1)
+    assert items - received <= reads <= items - received + 2 * (every - 1) * workers
+    if in_order:
+        theirs, their_want, _ = job(StatefulDataLoader)
+        assert theirs == their_want
+
+
+class RandomStream(tud.IterableDataset):
+    """Draws its items from a generator of its own, which goes on from epoch to epoch."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(1)
+
+    def __iter__(self):
+        return iter(torch.randint(0, 1000, (6,), generator=self.generator).tolist())
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def test_an_iterable_datasets_own_random_state_is_carried_between_epochs():
+    """(torchdata 0.11's loader, with no workers, resumes epoch 1 from the state the dataset
+    had when it was built: the saved state is taken before the dataset's epoch ends.)"""
+    cls = DataLoader
+    saving = cls(RandomStream(), batch_size=3)
+    first = epoch(saving)
+    state = saving.state_dict()
+    want = epoch(saving)
+    resumed = cls(RandomStream(), batch_size=3)
+    resumed.load_state_dict(elsewhere(state))
+    got = epoch(resumed)
+    assert got == want
+    assert got != first
+
+
+class Augmenting(tud.Dataset):
+    """A map-style dataset whose items draw from a generator of its own, with its state."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(2)
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        return index * 1000 + int(torch.randint(0, 1000, (), generator=self.generator))
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+@pytest.mark.parametrize("cls", [DataLoader, StatefulDataLoader], ids=["ours", "torchdata"])
+@pytest.mark.parametrize("taken", [0, 2, 6])
+def test_a_map_style_datasets_own_state_is_saved_and_restored(cls, taken):
+    """With no workers the dataset's state is exact at any batch (nothing is prefetched)."""
+
+    def make() -> Any:
+        return cls(Augmenting(), batch_size=2)
+
+    uninterrupted = make()
+    want = [epoch(uninterrupted), epoch(uninterrupted)]
+    saving = make()
+    iterator = iter(saving)
+    head = [next(iterator).tolist() for _ in range(taken)]
+    if taken == 6:
+        head += epoch(iterator)  # the end of the pass: a state between epochs
+    state = saving.state_dict()
+    del iterator
+    resumed = make()
+    resumed.load_state_dict(elsewhere(state))
+    if taken < 6:
+        assert [head + epoch(resumed), epoch(resumed)] == want
+    else:
+        assert [head, epoch(resumed)] == want
+
+
+def test_a_dataset_state_needs_a_dataset_that_loads_it():
+    saving = DataLoader(Augmenting(), batch_size=2)
+    epoch(saving)
+    with pytest.raises(ValueError, match=r"dataset state.*no load_state_dict"):
+        DataLoader(list(range(12)), batch_size=2).load_state_dict(saving.state_dict())

@@ -475,7 +475,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         plan = self._plan = loader._plan(self)
-        self._received = resume.ReceivedStreams()  # what a resumed stream's workers drop
+        self._stream_passes = resume.StreamPasses()  # for an IterableDataset's workers
         self._begin_pass(loader, resumed)
         self._hooks = plan.hooks
         self._streams = WorkerStreams(
@@ -536,7 +536,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         position in the pass, as the pipeline's are)."""
         hooks = self._hooks
         if self._plan.shape == STREAMS:
-            batches = iter(self._received.wrap(self._iterable_worker())(0))  # as a worker's
+            batches = iter(self._iterable_worker()(0))  # the batches a worker would make
             return lambda task: next(batches)
         if hooks is None:
             return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -584,7 +584,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         )
         if iterable:
             streams = WorkerSource(
-                self._received.wrap(self._iterable_worker() if pool is None else pool.batches),
+                self._iterable_worker()
+                if pool is None
+                else self._stream_passes.batches(pool.batches),
                 self._num_workers,
                 max_in_flight=plan.in_flight,
                 name="fetch",
@@ -754,20 +756,24 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
     def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
         """What torch's worker process does for an IterableDataset: its own iterator (of its own
-        copy, split by rank where needed: :class:`~torch_spdl.sampling.WorkerStreams`), batched.
+        copy, split by rank where needed: :class:`~torch_spdl.sampling.WorkerStreams`), batched;
+        resumed where a state says (:meth:`resume.PassRecord.stream`).
 
-        A closure over plain values, not a bound method: the worker threads must not hold the
+        Closures over plain values, not bound methods: the worker threads must not hold the
         iterator, or dropping it could never stop them.
         """
         streams, auto, finish = self._streams, self._auto_collation, self._finish
         drop_last, batch_size, budget = self._drop_last, self._iterable_batch_size(), self._budget
+        batches: Callable[[Any], Iterable[Any]]
         if budget.enabled:
-            return lambda worker: tolerant_batches(
-                streams.stream(worker), batch_size, drop_last, finish, budget
+            batches = lambda stream: tolerant_batches(  # noqa: E731
+                stream, batch_size, drop_last, finish, budget
             )
-        return lambda worker: IterableBatches(
-            streams.stream(worker), auto, finish, drop_last, batch_size
-        )
+        else:
+            batches = lambda stream: IterableBatches(  # noqa: E731
+                stream, auto, finish, drop_last, batch_size
+            )
+        return self._stream_passes.streams(streams.stream, batches)
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_index(self) -> Any:
@@ -951,7 +957,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed."""
         self._pass = resume.start_pass(self, loader, continuation, prime=not self._plan.inline)
         self._settle = weakref.finalize(self, self._pass.settle)
-        self._received.received = self._pass.received_before
+        self._stream_passes.record = self._pass
 
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""

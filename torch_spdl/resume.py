@@ -34,9 +34,10 @@ How a pass is replayed:
 - **Epochs.** Under a process group the loader's ``DistributedSampler`` is deterministic per
   (seed, epoch, rank): the state keeps the pass's epoch, and each rank saves and loads its own.
 
-An IterableDataset's pass records, per worker, the numbers of the batches received; a resumed
-pass reads each worker's stream again and puts SKIPPED in the place of those (:class:`SkipReceived`),
-with a warning: exact for a stream that yields the same items every pass.
+An IterableDataset's pass records, per worker, the numbers of the batches received, and the
+stream's own state where it has one (:meth:`PassRecord.stream`); a resumed pass restores that
+state, or reads the stream again with a warning, and puts SKIPPED in the place of the batches
+received (:class:`SkipReceived`).
 """
 
 from __future__ import annotations
@@ -194,8 +195,10 @@ class Continuation:
     # next pass draws no base_seed.
     draws_base_seed: bool = False
     draws_sampler_seed: bool = False
-    # an IterableDataset's pass: per worker, the numbers of its batches already received
+    # an IterableDataset's pass: per worker, the numbers of its batches already received, and
+    # where its stream's own state was recorded ({"at", "dataset", "iterator"}, or None)
     streams: tuple[Progress, ...] | None = None
+    stream_states: tuple[dict[str, Any] | None, ...] | None = None
 
 
 @dataclass
@@ -295,6 +298,8 @@ class PassRecord:
         self.received_before = c.streams if c else None  # what a resumed stream drops
         before = self.received_before or [Progress() for _ in range(workers)]
         self.streams_done = [received.copy() for received in before]
+        self.restored = (c.stream_states if c else None) or (None,) * len(before)
+        self._stream_snapshots: list[dict[int, dict[str, Any]]] = [{} for _ in before]
         self._skip_later = sorted(self.skip.later)
         self._taken = 0
         self._stateful: Any = None
@@ -410,6 +415,8 @@ class PassRecord:
         if not self.tracked:
             workers = len(self.streams_done)
             self.streams_done[position % workers].add(position // workers)
+            with self._lock:
+                self._prune_stream(position % workers)
             return
         self.done.add(self._number(position))
         if self._stateful is not None:
@@ -436,14 +443,70 @@ class PassRecord:
         for drawn in [d for d in self._snapshots if d < keep]:
             del self._snapshots[drawn]
 
+    # -- an IterableDataset's streams ------------------------------------------------------
+    def stream(
+        self, worker: int, dataset: Any, batches_of: Callable[[Any], Iterable[Any]]
+    ) -> Iterable[Any]:
+        """Worker ``worker``'s batches this pass, from its ``dataset`` (its copy, or shard).
+
+        A dataset or iterator with ``state_dict``/``load_state_dict`` (torchdata's protocol) is
+        restored to where a resumed pass recorded it, and recorded every ``snapshot_every``
+        batches; a stream without state is read again from its start. Either way, batches
+        received before the state are dropped in their places (:class:`SkipReceived`).
+        """
+        restored = self.restored[worker]
+        if restored is not None and restored["dataset"] is not None:
+            dataset.load_state_dict(copy.deepcopy(restored["dataset"]))
+        iterator = iter(dataset)
+        if restored is not None and restored["iterator"] is not None:
+            iterator.load_state_dict(copy.deepcopy(restored["iterator"]))
+        start = 0 if restored is None else int(restored["at"])
+        batches = batches_of(iterator)
+        if is_stateful(dataset) or is_stateful(iterator):
+            batches = _Recorded(batches, self, worker, start, dataset, iterator)
+        received = None if self.received_before is None else self.received_before[worker]
+        if start == 0 and (received is None or not len(received)):
+            return batches
+        return SkipReceived(batches, received or Progress(), start)
+
+    def record_stream(self, worker: int, number: int, dataset: Any, iterator: Any) -> None:
+        """The stream's own state once it has given ``number`` batches."""
+        state = {
+            "at": number,
+            "dataset": copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None,
+            "iterator": copy.deepcopy(iterator.state_dict()) if is_stateful(iterator) else None,
+        }
+        with self._lock:
+            self._stream_snapshots[worker][number] = state
+
+    def _usable_stream(self, worker: int) -> dict[str, Any] | None:
+        done = self.streams_done[worker].prefix
+        usable = [at for at in self._stream_snapshots[worker] if at <= done]
+        return self._stream_snapshots[worker][max(usable)] if usable else None
+
+    def _prune_stream(self, worker: int) -> None:
+        keep = self._usable_stream(worker)
+        snapshots = self._stream_snapshots[worker]
+        for at in [at for at in snapshots if keep is not None and at < keep["at"]]:
+            del snapshots[at]
+
+    def _streams_state(self) -> dict[str, Any]:
+        with self._lock:
+            states = [copy.deepcopy(self._usable_stream(w)) for w in range(len(self.streams_done))]
+        return {
+            "base_seed": self.base_seed,
+            "generator": self.generator,
+            "epoch": None if self.epoch is None else {"epoch": self.epoch},
+            "streams": [done.state() for done in self.streams_done],
+            "stream_states": [
+                restored if state is None else state
+                for state, restored in zip(states, self.restored, strict=True)
+            ],
+        }
+
     def state(self) -> dict[str, Any]:
         if not self.tracked:
-            return {
-                "base_seed": self.base_seed,
-                "generator": self.generator,
-                "epoch": None if self.epoch is None else {"epoch": self.epoch},
-                "streams": [done.state() for done in self.streams_done],
-            }
+            return self._streams_state()
         sampler_state = None
         if self._stateful is not None:
             with self._lock:
@@ -463,15 +526,17 @@ class PassRecord:
 class SkipReceived:
     """One worker's batches in a resumed pass: those received before the state become
     :data:`~torch_spdl.failures.SKIPPED` in their place, so each keeps its position in the
-    round robin over workers and the rest come in the uninterrupted run's order.
+    round robin over workers and the rest come in the uninterrupted run's order. A stream
+    restored to its state after ``start`` batches gives SKIPPED for those without reading.
 
     An iterator object, not a generator: a batch that raises leaves it usable, as the worker's
     own iterator is (a batch that raised counts as received, and is skipped without raising).
     """
 
-    def __init__(self, batches: Iterable[Any], received: Progress) -> None:
+    def __init__(self, batches: Iterable[Any], received: Progress, start: int = 0) -> None:
         self._batches = iter(batches)
         self._received = received
+        self._start = start
         self._number = 0
 
     def __iter__(self) -> SkipReceived:
@@ -479,6 +544,9 @@ class SkipReceived:
 
     def __next__(self) -> Any:
         number = self._number
+        if number < self._start:
+            self._number += 1
+            return SKIPPED
         try:
             batch = next(self._batches)
         except StopIteration:
@@ -492,17 +560,70 @@ class SkipReceived:
         return SKIPPED if number in self._received else batch
 
 
-class ReceivedStreams:
-    """What each worker's stream drops in the current pass, read when the worker starts it:
-    the workers' function holds this, not the iterator (a persistent pipeline calls it again
-    every pass)."""
+class _Recorded:
+    """A stream with state of its own: records it every ``snapshot_every`` batches."""
+
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        record: PassRecord,
+        worker: int,
+        start: int,
+        dataset: Any,
+        iterator: Any,
+    ) -> None:
+        self._batches = iter(batches)
+        self._record = record
+        self._worker = worker
+        self._number = start
+        self._dataset = dataset
+        self._iterator = iterator
+        record.record_stream(worker, start, dataset, iterator)
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise
+        except Exception:
+            self._given()  # a batch that raised has its place in the stream too
+            raise
+        self._given()
+        return batch
+
+    def _given(self) -> None:
+        self._number += 1
+        if self._number % self._record.snapshot_every == 0:
+            self._record.record_stream(self._worker, self._number, self._dataset, self._iterator)
+
+
+class StreamPasses:
+    """The current pass of an iterator over an IterableDataset, for its workers' function: the
+    function holds this, not the iterator (a persistent pipeline calls it again every pass)."""
 
     def __init__(self) -> None:
-        self.received: tuple[Progress, ...] | None = None
+        self.record: PassRecord | None = None
 
-    def wrap(self, batches_of: Callable[[int], Iterable[Any]]) -> Callable[[int], Iterable[Any]]:
+    def streams(
+        self, dataset_of: Callable[[int], Any], batches_of: Callable[[Any], Iterable[Any]]
+    ) -> Callable[[int], Iterable[Any]]:
+        """Worker threads (or the loop's thread): see :meth:`PassRecord.stream`."""
+
         def batches(worker: int) -> Iterable[Any]:
-            received = self.received
+            assert self.record is not None  # set before any pass runs
+            return self.record.stream(worker, dataset_of(worker), batches_of)
+
+        return batches
+
+    def batches(self, batches_of: Callable[[int], Iterable[Any]]) -> Callable[[int], Iterable[Any]]:
+        """Worker processes: their streams have no state here, only what was received."""
+
+        def batches(worker: int) -> Iterable[Any]:
+            record = self.record
+            received = None if record is None else record.received_before
             if received is None or not len(received[worker]):
                 return batches_of(worker)
             return SkipReceived(batches_of(worker), received[worker])
@@ -510,14 +631,21 @@ class ReceivedStreams:
         return batches
 
 
-def warn_fast_forward(dataset: Any, received: tuple[Progress, ...]) -> None:
-    count = sum(len(done) for done in received)
+def warn_fast_forward(dataset: Any, record: PassRecord) -> None:
+    """Once per resumed pass, where a stream without state of its own is read again."""
+    if record.received_before is None:
+        return
+    pairs = zip(record.received_before, record.restored, strict=True)
+    count = sum(len(done) for done, restored in pairs if restored is None)
+    if not count:
+        return
     warnings.warn(
         f"resuming a pass over {type(dataset).__name__} (an IterableDataset) in its middle: "
         f"each worker's stream is read again from its start and the {count} batch(es) already "
         f"received are dropped, as torchdata's StatefulDataLoader fast-forwards a dataset "
         f"without state. The rest of the pass is the uninterrupted one only if the stream "
-        f"yields the same items in the same order every pass.",
+        f"yields the same items in the same order every pass; give the dataset (or its "
+        f"iterator) state_dict() and load_state_dict() to resume without reading them again.",
         UserWarning,
         stacklevel=4,
     )
@@ -549,8 +677,7 @@ def start_pass(
         snapshot_every=loader.snapshot_every_n_steps,
         workers=max(loader.num_workers, 1),
     )
-    if record.received_before is not None and any(map(len, record.received_before)):
-        warn_fast_forward(loader.dataset, record.received_before)
+    warn_fast_forward(loader.dataset, record)
     if record.tracked:
         iterator._sampler_iter = record.track(
             iterator._index_sampler, iterator._sampler_iter, prime
@@ -586,7 +713,12 @@ def loader_state(loader: Any) -> dict[str, Any]:
     """``DataLoader.state_dict()``."""
     if loader._resume is not None:
         return copy.deepcopy(loader._resume.raw)
-    state: dict[str, Any] = {"version": STATE_VERSION, "config": describe(loader), "pass": None}
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "config": describe(loader),
+        "pass": None,
+        "dataset_state": _dataset_state(loader.dataset),
+    }
     record: PassRecord | None = loader._pass
     if record is not None and not record.finished:
         state["pass"] = record.state()
@@ -607,6 +739,13 @@ def loader_state(loader: Any) -> dict[str, Any]:
     # from it: both then make the same epoch, whatever the global RNG holds by then.
     loader._resume = Pending(copy.deepcopy(state), following)
     return state
+
+
+def _dataset_state(dataset: Any) -> Any:
+    """A dataset's own state (torchdata's protocol), as the loader's object holds it now: with
+    no workers, or between passes, where the next pass's copies are made from it. Worker
+    streams of an IterableDataset record theirs with each pass (:meth:`PassRecord.stream`)."""
+    return copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None
 
 
 def _reuses_iterator(loader: Any) -> bool:
@@ -754,8 +893,15 @@ def _continue_streams(loader: Any, saved: dict[str, Any]) -> Continuation:
             f"num_workers={len(streams) if len(streams) > 1 else 0}"
         )
     restore_epoch(loader._own_samplers[0], saved["epoch"])
+    states = saved.get("stream_states") or [None] * workers
     return Continuation(
-        int(saved["base_seed"]), saved["generator"], None, Progress(), 0, streams=streams
+        int(saved["base_seed"]),
+        saved["generator"],
+        None,
+        Progress(),
+        0,
+        streams=streams,
+        stream_states=tuple(states),
     )
 
 
@@ -783,6 +929,18 @@ def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
     return Continuation(saved["base_seed"], saved["generator"], None, Progress(), 0)
 
 
+def _load_dataset(dataset: Any, saved: Any) -> None:
+    if saved is None:
+        return
+    if not is_stateful(dataset):
+        raise ValueError(
+            f"this DataLoader state holds a dataset state, and this dataset "
+            f"({type(dataset).__name__}) has no load_state_dict(): build the dataset as it "
+            f"was when the state was saved"
+        )
+    dataset.load_state_dict(copy.deepcopy(saved))
+
+
 def _load_generators(generators: list[torch.Generator], saved: list[bytes | None]) -> None:
     if len(generators) != len(saved):
         raise ValueError(
@@ -797,6 +955,7 @@ def load_state(loader: Any, state: Any) -> Pending:
     """``DataLoader.load_state_dict()``: check, apply what applies now, keep the rest pending."""
     _check_config(loader, state)
     try:
+        _load_dataset(loader.dataset, state.get("dataset_state"))
         if state["pass"] is not None:
             continuation: Continuation | None = _continue_pass(loader, state["pass"])
         else:
