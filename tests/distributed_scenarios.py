@@ -153,6 +153,31 @@ def resume_scenario(in_order: bool) -> dict:
     }
 
 
+WORLD_CHANGE = dict(batch_size=4, shuffle=True, num_workers=2)
+
+
+def shrink_scenario() -> dict:
+    """Each rank takes 2 batches of epoch 1 and saves its state, for a single process to
+    resume (test_distributed.py): 2 ranks -> 1."""
+    loader = DataLoader(Indices(48), **WORLD_CHANGE)
+    epochs(loader, 1)
+    it = iter(loader)
+    taken = [torch.as_tensor(next(it)).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    return {"taken": taken, "state": state}
+
+
+def grow_scenario(out_dir: str) -> dict:
+    """The state a single process saved mid-epoch (test_distributed.py wrote it), resumed by
+    each of the 2 ranks: 1 -> 2. Then one more epoch, split as usual."""
+    saved = torch.load(os.path.join(out_dir, "single.pt"), weights_only=True)
+    loader = DataLoader(Indices(48), **WORLD_CHANGE)
+    loader.load_state_dict(saved["state"])
+    rest, following = epochs(loader, 2)
+    return {"rest": rest, "next": following}
+
+
 def built_before_the_group() -> DataLoader:
     return DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
 
@@ -178,6 +203,8 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
             "epochs": epochs(persistent, 2),
         }
         results["asked_early"] = {"epochs": epochs(asked_early, 1)}
+        results["shrink"] = shrink_scenario()
+        results["grow"] = grow_scenario(out_dir)
         first_pass = epochs(early, 1)  # the first iteration resolves the group
         results["late_group"] = {
             "sampler_before": early_sampler,

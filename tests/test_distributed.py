@@ -7,9 +7,12 @@ import itertools
 import distributed_scenarios
 import pytest
 import torch
+from distributed_scenarios import WORLD_CHANGE
 from index_datasets import Indices
 from subprocesses import spawn_ranks
 from torch.utils.data import DistributedSampler
+
+from torch_spdl import DataLoader
 
 WORLD = 2
 
@@ -18,8 +21,20 @@ WORLD = 2
 def ranks(tmp_path_factory) -> list[dict]:
     """Every scenario's results, one dict per rank, from one spawn of the group."""
     tmp = tmp_path_factory.mktemp("ddp")
+    torch.save(single_process_state(), tmp / "single.pt")
     spawn_ranks(distributed_scenarios.run, (WORLD, str(tmp / "init"), str(tmp)), WORLD)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def single_process_state() -> dict:
+    """A single process's state after 3 batches of its first epoch, and that whole epoch."""
+    torch.manual_seed(3)
+    whole = [batch.tolist() for batch in DataLoader(Indices(48), **WORLD_CHANGE)]
+    torch.manual_seed(3)
+    loader = DataLoader(Indices(48), **WORLD_CHANGE)
+    it = iter(loader)
+    taken = [next(it).tolist() for _ in range(3)]
+    return {"state": loader.state_dict(), "taken": taken, "whole": whole}
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -173,3 +188,40 @@ def test_each_rank_resumes_its_own_remaining_batches(ranks, name):
             assert sorted(flat(scenario["next"])) == sorted(epoch2[rank])
         assert len(scenario["taken"]) == 2 and len(scenario["rest"]) == 3
         assert "rank" in scenario["other_rank_refused"]
+
+
+# -- resuming on another number of ranks ---------------------------------------------------------
+def global_order(epoch: int, n: int = 48) -> list[int]:
+    """The order the 2 ranks' DistributedSampler split epoch ``epoch`` from (seed 0)."""
+    generator = torch.Generator()
+    generator.manual_seed(epoch)
+    return torch.randperm(n, generator=generator).tolist()
+
+
+def test_a_state_from_two_ranks_resumes_in_one_process(ranks):
+    """2 -> 1: both ranks took 2 batches (16 samples of the global order); one process takes
+    up the rest of that order, whichever rank's state it loads; no sample twice or missed."""
+    order = global_order(1)
+    taken = [flat(result["shrink"]["taken"]) for result in ranks]
+    assert taken == [order[:16][rank::WORLD] for rank in range(WORLD)]
+    for result in ranks:
+        single = DataLoader(Indices(48), **WORLD_CHANGE)
+        single.load_state_dict(result["shrink"]["state"])
+        rest = flat([batch.tolist() for batch in single])
+        assert rest == order[16:]
+        assert sorted(taken[0] + taken[1] + rest) == list(range(48))
+        following = flat([batch.tolist() for batch in single])
+        assert sorted(following) == list(range(48))  # then whole epochs, as one process has
+
+
+def test_a_single_process_state_resumes_on_two_ranks(ranks, tmp_path_factory):
+    """1 -> 2: the single process took 3 batches (12 samples); the 2 ranks split the rest of
+    its epoch between them, as a DistributedSampler splits an epoch, then go on as usual."""
+    saved = single_process_state()
+    whole = flat(saved["whole"])
+    assert flat(saved["taken"]) == whole[:12]
+    rests = [flat(result["grow"]["rest"]) for result in ranks]
+    assert rests == [whole[12:][rank::WORLD] for rank in range(WORLD)]
+    assert sorted(whole[:12] + rests[0] + rests[1]) == list(range(48))
+    following = [flat(result["grow"]["next"]) for result in ranks]
+    assert sorted(following[0] + following[1]) == list(range(48))

@@ -480,3 +480,31 @@ def test_a_dataset_state_needs_a_dataset_that_loads_it():
     epoch(saving)
     with pytest.raises(ValueError, match=r"dataset state.*no load_state_dict"):
         DataLoader(list(range(12)), batch_size=2).load_state_dict(saving.state_dict())
+
+
+# -- another number of ranks (the gloo runs are in test_distributed.py) ------------------------
+def _state_as_if_from_two_ranks(later: list[int]) -> dict:
+    loader = DataLoader(DATA, batch_size=4, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    state["pass"]["global"]["world"] = 2
+    state["pass"]["yielded"]["later"] = later
+    state["config"].update(world_size=2, rank=0)
+    return state
+
+
+def test_a_state_from_other_ranks_received_out_of_order_is_refused():
+    state = _state_as_if_from_two_ranks(later=[3])
+    with pytest.raises(ValueError, match=r"out of order \(in_order=False\)"):
+        DataLoader(DATA, batch_size=4, shuffle=True).load_state_dict(state)
+
+
+def test_a_state_from_other_ranks_needs_the_loaders_own_order():
+    state = _state_as_if_from_two_ranks(later=[])
+    mine = DataLoader(DATA, batch_size=4, sampler=tud.RandomSampler(DATA))
+    with pytest.raises(ValueError, match="differently configured DataLoader"):
+        mine.load_state_dict(state)
+    resumed = DataLoader(DATA, batch_size=4, shuffle=True)
+    resumed.load_state_dict(state)  # the loader's own order: taken up on this one rank
+    assert len(sum(epoch(resumed), [])) == N - 2 * 4

@@ -222,6 +222,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # loader shows, for code that reads them or rebuilds a loader from them.
         self._own_samplers = (self.sampler, self.batch_sampler)
         builds_own = sampler is None and batch_sampler is None and not is_iterable(self.dataset)
+        self._builds_own = builds_own  # its order is the loader's: a resume may split it anew
         if builds_own:
             self._show_samplers()
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch

@@ -199,6 +199,10 @@ class Continuation:
     # where its stream's own state was recorded ({"at", "dataset", "iterator"}, or None)
     streams: tuple[Progress, ...] | None = None
     stream_states: tuple[dict[str, Any] | None, ...] | None = None
+    # A pass resumed on another number of ranks: this rank's share of what the saving job had
+    # left of its global order (indices), and that order's description (see global_order).
+    rest: tuple[Any, ...] | None = None
+    order: dict[str, Any] | None = None
 
 
 @dataclass
@@ -295,6 +299,7 @@ class PassRecord:
         self.start = c.start if c else 0
         # An IterableDataset's pass: worker w's k-th batch is the pass's item k * workers + w
         # (WorkerSource's numbering; one stream with no workers). Per worker, what was received.
+        self.order: dict[str, Any] | None = c.order if c else None  # see global_order
         self.received_before = c.streams if c else None  # what a resumed stream drops
         before = self.received_before or [Progress() for _ in range(workers)]
         self.streams_done = [received.copy() for received in before]
@@ -519,6 +524,7 @@ class PassRecord:
             "epoch": None if self.epoch is None else {"epoch": self.epoch},
             "yielded": self.done.state(),
             "sampler_state": sampler_state,
+            "global": self.order,
         }
 
 
@@ -678,10 +684,18 @@ def start_pass(
         workers=max(loader.num_workers, 1),
     )
     warn_fast_forward(loader.dataset, record)
-    if record.tracked:
+    if record.order is None:
+        record.order = global_order(loader, record.epoch)
+    if continuation is not None and continuation.rest is not None:
+        rest = list(continuation.rest)
+        batch_size = loader.batch_size
+        share = rest if batch_size is None else BatchSampler(rest, batch_size, loader.drop_last)
+        iterator._sampler_iter = record.track(share, iter(share), prime)
+    elif record.tracked:
         iterator._sampler_iter = record.track(
             iterator._index_sampler, iterator._sampler_iter, prime
         )
+    if record.tracked:
         iterator._num_yielded = len(record.done)
     else:
         iterator._num_yielded = sum(map(len, record.streams_done))
@@ -707,6 +721,125 @@ def describe(loader: Any) -> dict[str, Any]:
         "rank": sampler.rank if distributed else None,
         "world_size": sampler.num_replicas if distributed else None,
     }
+
+
+def world_of(loader: Any) -> tuple[int, int]:
+    """``(rank, world size)`` the loader's own order is split over (``(0, 1)`` unsplit)."""
+    sampler = loader._own_samplers[0]
+    if isinstance(sampler, AutoEpochSampler):
+        return sampler.rank, sampler.num_replicas
+    return 0, 1
+
+
+def global_order(loader: Any, epoch: int | None) -> dict[str, Any] | None:
+    """How to rebuild the order a pass splits over the ranks, for a resume on another number
+    of ranks: the loader's own ``DistributedSampler`` (seed, epoch, shuffle), or without a
+    process group its own ``RandomSampler`` (replayed from the pass's ``sampler_rng``) or
+    ``SequentialSampler``. None for a sampler of the user's: its order is not the loader's to
+    split again. ``start`` is where in that order the pass began (0, or where a resume on
+    other ranks took it up), ``world`` how many ranks it is split over."""
+    if not loader._builds_own:
+        return None
+    sampler = loader._own_samplers[0]
+    order: dict[str, Any] = {
+        "length": len(loader.dataset),
+        "batch": loader.batch_size,
+        "start": 0,
+        "world": world_of(loader)[1],
+    }
+    if isinstance(sampler, AutoEpochSampler):
+        return {
+            **order,
+            "kind": "distributed",
+            "shuffle": sampler.shuffle,
+            "seed": sampler.seed,
+            "epoch": sampler.epoch if epoch is None else epoch,
+            "drop_last": sampler.drop_last,
+        }
+    return {**order, "kind": "single", "shuffle": isinstance(sampler, RandomSampler)}
+
+
+def _order_indices(order: dict[str, Any], sampler_rng: Any) -> list[int]:
+    """The global order ``order`` describes, unpadded (cut where ``drop_last`` cuts it)."""
+    length = int(order["length"])
+    if order["kind"] == "distributed":
+        generator = torch.Generator()
+        generator.manual_seed(int(order["seed"]) + int(order["epoch"]))
+        indices = (
+            torch.randperm(length, generator=generator).tolist()
+            if order["shuffle"]
+            else list(range(length))
+        )
+        world = int(order["world"])
+        return indices[: length - length % world] if order["drop_last"] else indices
+    if not order["shuffle"]:
+        return list(range(length))
+    if sampler_rng is None:
+        raise ValueError("this DataLoader state has no shuffle seed to rebuild its order from")
+    generator = torch.Generator()
+    if sampler_rng[0] == "seed":
+        generator.manual_seed(int(sampler_rng[1]))
+    else:
+        set_generator_state(generator, sampler_rng[1])
+    return list(RandomSampler(range(length), generator=generator))
+
+
+def _elsewhere(loader: Any, saved: dict[str, Any]) -> bool:
+    """Whether a saved pass resumes through its global order: taken on another number of ranks,
+    or itself such a resumed pass."""
+    order = saved.get("global")
+    if order is None:
+        return False
+    return int(order["world"]) != world_of(loader)[1] or int(order["start"]) > 0
+
+
+def _continue_elsewhere(loader: Any, saved: dict[str, Any]) -> Continuation:
+    """The rest of a pass saved on N ranks, taken up on this loader's M: the ranks moved in
+    step, so the saving job had used the start of its global order; what is left of it is split
+    over the M ranks as a DistributedSampler splits an epoch (padded by repeating its start, or
+    cut with ``drop_last``)."""
+    order = saved["global"]
+    if not loader._builds_own:
+        raise ValueError(
+            "this DataLoader state was saved on another number of ranks, and this loader reads a "
+            "sampler of yours: only the loader's own order can be split over other ranks"
+        )
+    done = Progress.from_state(saved["yielded"])
+    if done.later:
+        raise ValueError(
+            "this DataLoader state was saved on another number of ranks with batches received "
+            "out of order (in_order=False): its position in the global order is not one place; "
+            "resume it on the number of ranks it was saved on"
+        )
+    samples = order["batch"] or 1
+    used = int(order["start"]) + done.prefix * samples * int(order["world"])
+    rest = _order_indices(order, saved["sampler_rng"])[used:]
+    rank, world = world_of(loader)
+    sampler = loader._own_samplers[0]
+    rest = _even_out(rest, world, isinstance(sampler, DistributedSampler) and sampler.drop_last)
+    if order["kind"] == "distributed":
+        restore_epoch(sampler, {"epoch": order["epoch"]})
+    return Continuation(
+        base_seed=int(saved["base_seed"]),
+        generator=saved["generator"],
+        sampler_rng=None,
+        done=Progress(),
+        start=0,
+        rest=tuple(rest[rank::world]),
+        order={**order, "start": used, "world": world},
+    )
+
+
+def _even_out(indices: list[int], world: int, drop_last: bool) -> list[int]:
+    """``indices`` made a multiple of ``world`` long, as ``DistributedSampler`` makes its epoch:
+    cut with ``drop_last``, else padded by repeating its start."""
+    extra = len(indices) % world
+    if not indices or not extra:
+        return indices
+    if drop_last:
+        return indices[:-extra]
+    padding = world - extra
+    return indices + (indices * (padding // len(indices) + 1))[:padding]
 
 
 def loader_state(loader: Any) -> dict[str, Any]:
@@ -825,6 +958,19 @@ def _pass_seeds(continuation: Continuation) -> dict[str, Any]:
     }
 
 
+# What differs when a state saved on N ranks is taken up on M (see _continue_elsewhere).
+_RANK_KEYS = ("rank", "world_size", "batches", "sampler")
+
+
+def _other_world(loader: Any, state: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """A state from another number of ranks that this loader can split anew: its own order,
+    between passes or with the pass's global order recorded."""
+    if (saved.get("world_size") or 1) == world_of(loader)[1] or not loader._builds_own:
+        return False
+    saved_pass = state.get("pass")
+    return saved_pass is None or saved_pass.get("global") is not None
+
+
 def _check_config(loader: Any, state: Any) -> None:
     if not isinstance(state, dict) or "version" not in state:
         raise ValueError("not a torch_spdl DataLoader state: expected a dict from state_dict()")
@@ -836,10 +982,11 @@ def _check_config(loader: Any, state: Any) -> None:
     saved, here = state.get("config"), describe(loader)
     if not isinstance(saved, dict):
         raise ValueError("not a torch_spdl DataLoader state: it has no 'config'")
+    split_anew = _other_world(loader, state, saved)
     differences = [
         f"{key}: {saved.get(key)!r} in the state, {here[key]!r} here"
         for key in here
-        if saved.get(key) != here[key]
+        if saved.get(key) != here[key] and not (split_anew and key in _RANK_KEYS)
     ]
     if differences:
         raise ValueError(
@@ -863,6 +1010,8 @@ def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
 def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
     if "streams" in saved:
         return _continue_streams(loader, saved)
+    if _elsewhere(loader, saved):
+        return _continue_elsewhere(loader, saved)
     done = Progress.from_state(saved["yielded"])
     batches = _length(loader._index_sampler)
     if batches is not None and max([done.prefix, *(n + 1 for n in done.later)]) > batches:
