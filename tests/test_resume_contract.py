@@ -508,3 +508,72 @@ def test_a_state_from_other_ranks_needs_the_loaders_own_order():
     resumed = DataLoader(DATA, batch_size=4, shuffle=True)
     resumed.load_state_dict(state)  # the loader's own order: taken up on this one rank
     assert len(sum(epoch(resumed), [])) == N - 2 * 4
+
+
+# -- a checkpoint written by torchdata's StatefulDataLoader --------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("seeded", [False, True], ids=["global_rng", "generator"])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "sequential"])
+def test_a_torchdata_checkpoint_resumes_the_rest_of_its_epoch(workers, seeded, shuffle):
+    def make(cls: type) -> Any:
+        generator = torch.Generator().manual_seed(4) if seeded else None
+        return cls(DATA, batch_size=3, shuffle=shuffle, num_workers=workers, generator=generator)
+
+    torch.manual_seed(1)
+    want = epoch(make(StatefulDataLoader))
+    torch.manual_seed(1)
+    theirs = make(StatefulDataLoader)
+    iterator = iter(theirs)
+    head = [next(iterator).tolist() for _ in range(4)]
+    state = elsewhere(theirs.state_dict())
+    ours = make(DataLoader)
+    ours.load_state_dict(state)
+    assert head + epoch(ours) == want
+    assert sorted(sum(epoch(ours), [])) == DATA  # then epochs of its own
+    assert ours.state_dict()["version"] == 1  # and its own states from then on
+
+
+def test_a_torchdata_checkpoint_between_epochs_starts_a_new_epoch():
+    theirs = StatefulDataLoader(DATA, batch_size=3, shuffle=True)
+    epoch(theirs)
+    ours = DataLoader(DATA, batch_size=3, shuffle=True)
+    ours.load_state_dict(theirs.state_dict())
+    assert sorted(sum(epoch(ours), [])) == DATA
+
+
+def _torchdata_state(dataset: Any, **options: Any) -> dict:
+    theirs = StatefulDataLoader(dataset, batch_size=2, **options)
+    iterator = iter(theirs)
+    next(iterator)
+    return theirs.state_dict()
+
+
+@pytest.mark.parametrize(
+    "state_of, ours, match",
+    [
+        (
+            lambda: _torchdata_state(Stream()),
+            lambda: DataLoader(Stream(), batch_size=2),
+            "Iterable",
+        ),
+        (
+            lambda: _torchdata_state(DATA, shuffle=True),
+            lambda: DataLoader(DATA, batch_size=2),
+            "shuffle does not match",
+        ),
+        (
+            lambda: _torchdata_state(Augmenting(), num_workers=2),
+            lambda: DataLoader(Augmenting(), batch_size=2, num_workers=2),
+            "per-worker dataset states",
+        ),
+        (
+            lambda: _torchdata_state(DATA, sampler=tud.RandomSampler(DATA)),
+            lambda: DataLoader(DATA, batch_size=2, sampler=tud.RandomSampler(DATA)),
+            "shuffle does not match",
+        ),
+    ],
+    ids=["iterable", "shuffle", "worker_dataset_states", "users_sampler"],
+)
+def test_a_torchdata_checkpoint_that_does_not_map_is_refused(state_of, ours, match):
+    with pytest.raises(ValueError, match=rf"torchdata StatefulDataLoader state.*{match}"):
+        ours().load_state_dict(state_of())

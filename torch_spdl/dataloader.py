@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import torch.utils.data
 from torch.utils.data import BatchSampler
 
-from . import gil, resume
+from . import gil, resume, torchdata_state
 from .auto import PROCESS, THREAD, AutoState, Decision, Trial, decide
 from .batching import (
     Assembler,
@@ -414,8 +414,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict()`` of a loader built the same way (``ValueError`` if it
-        was not): the next ``iter(self)`` yields the rest of the pass that state was taken in."""
+        was not): the next ``iter(self)`` yields the rest of the pass that state was taken in.
+        A state from torchdata's ``StatefulDataLoader`` is read where it maps
+        (:mod:`torch_spdl.torchdata_state`)."""
         self._shard()
+        if torchdata_state.is_torchdata_state(state_dict):
+            state_dict = torchdata_state.from_torchdata(self, state_dict)
         self._resume = resume.load_state(self, state_dict)
         if isinstance(self._iterator, _ThreadDataLoaderIter):  # persistent threads hold the old
             self._iterator.close()  # seeds: start anew

@@ -242,14 +242,15 @@ class _Replay:
     def _begin(self) -> Iterator[Any]:
         sampler, saved = self._sampler, self._record.sampler_rng
         if sampler.generator is None:
-            if saved is not None and saved[0] != "seed":
-                raise ValueError("the state recorded a sampler generator; this sampler has none")
-            if saved is None or self._record.draws_sampler_seed:
-                drawn = _draw(None)  # torch's draw (dropped where the state fixed the seed)
-            seed = int(saved[1]) if saved else drawn
-            self._record.sampler_rng = ("seed", seed)
             generator = torch.Generator()
-            generator.manual_seed(seed)
+            if saved is not None and saved[0] == "state":  # a torchdata checkpoint's generator
+                set_generator_state(generator, saved[1])
+            else:
+                if saved is None or self._record.draws_sampler_seed:
+                    drawn = _draw(None)  # torch's draw (dropped where the state fixed the seed)
+                seed = int(saved[1]) if saved else drawn
+                self._record.sampler_rng = ("seed", seed)
+                generator.manual_seed(seed)
             replica = RandomSampler(
                 sampler.data_source,
                 sampler.replacement,
@@ -388,14 +389,15 @@ class PassRecord:
             if self._settled:
                 return
             self._settled = True
-            rng, fresh = self.sampler_rng, self._fresh
+            rng, fresh, replay = self.sampler_rng, self._fresh, self._replay
             if self.finished or rng is None or rng[0] != "state" or fresh is None:
                 return
-            assert self._replay is not None  # _fresh is set with it
+            if replay is None or replay.generator is None:  # its generator is the pass's own
+                return
             target = self.window + len(self.done)
             if target == self._drawn or (self._exhausted and target >= self._drawn):
                 return
-            set_generator_state(self._replay.generator, rng[1])
+            set_generator_state(replay.generator, rng[1])
             stream = fresh()
             for _ in range(target):
                 if next(stream, _END) is _END:

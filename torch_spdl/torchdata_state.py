@@ -1,0 +1,115 @@
+"""Checkpoints written by torchdata's ``StatefulDataLoader``, read as this loader's own states.
+
+A job that moves from torchdata's loader to this one keeps its checkpoints: for a map-style
+dataset over the loader's own ``RandomSampler`` (``shuffle=True``) or ``SequentialSampler``,
+torchdata records how many batches were yielded and its sampler's generator as the pass began.
+Its shuffle is ``torch.randperm`` over that generator, as torch's ``RandomSampler`` draws it,
+so the rest of that epoch is exactly torchdata's; the epochs after are this loader's (torch's
+RandomSampler advances its generator otherwise than torchdata's does between epochs).
+
+What does not map is refused with a ValueError that says what: an IterableDataset's fetcher
+or per-worker states, a sampler with a state of its own, per-worker dataset states, or a loader
+here that does not shuffle as the checkpoint's did. Nothing is checked against the loader that
+wrote it beyond that (torchdata's state has no configuration): build the loader as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import resume
+from .compat import is_iterable
+
+_SINGLE = "_num_yielded"  # keys that say which layout a torchdata state has
+_SNAPSHOT = "_snapshot"
+
+
+def is_torchdata_state(state: Any) -> bool:
+    """A ``StatefulDataLoader.state_dict()``: with no workers, or with its snapshot of them."""
+    return (
+        isinstance(state, dict)
+        and "_iterator_finished" in state
+        and (_SINGLE in state or _SNAPSHOT in state)
+    )
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(
+        f"this is a torchdata StatefulDataLoader state, and {what}: it does not map onto "
+        f"torch_spdl's state (see torch_spdl.torchdata_state)"
+    )
+
+
+def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, list[Any]]:
+    """The main process's snapshot, the batches received, and the dataset states it holds."""
+    if _SNAPSHOT not in state:
+        dataset_states = [state.get("dataset_state")]
+        if state.get("fetcher_state") is not None:
+            raise _refuse("it holds an IterableDataset's fetcher state")
+        return state, int(state[_SINGLE]), dataset_states
+    snapshot = state[_SNAPSHOT]
+    received = int(snapshot["_snapshot_step"]) + int(state["_steps_since_snapshot"])
+    workers = snapshot.get("_worker_snapshots", {}).values()
+    if any(worker.get("fetcher_state") is not None for worker in workers):
+        raise _refuse("it holds an IterableDataset's per-worker fetcher states")
+    if any(worker.get("dataset_state") is not None for worker in workers):
+        raise _refuse("it holds per-worker dataset states (each worker's copy of the dataset)")
+    return snapshot["_main_snapshot"], received, []
+
+
+def _sampler_rng(loader: Any, main: dict[str, Any]) -> tuple[str, bytes] | None:
+    """The shuffle generator's state as torchdata's pass began, checked against the loader."""
+    if main.get("_index_sampler_state") is not None:
+        raise _refuse("its sampler has a state of its own (restore it through that sampler)")
+    iterator_state = main.get("_sampler_iter_state") or {}
+    inner = iterator_state.get("sampler_iter_state")
+    shuffled = inner is not None and "generator" in inner
+    sampler = resume.replayed_sampler(loader._index_sampler)
+    if shuffled != (sampler is not None) or not loader._builds_own:
+        raise _refuse(
+            "its shuffle does not match this loader's (build it with shuffle="
+            f"{shuffled} and no sampler= or batch_sampler= of yours)"
+        )
+    if not shuffled:
+        return None
+    assert inner is not None  # shuffled says so
+    generator = inner["generator"]
+    data = generator.numpy().tobytes() if isinstance(generator, torch.Tensor) else generator
+    return ("state", bytes(data))
+
+
+def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (torchdata's) as a state of ``loader`` (see the module docstring)."""
+    if is_iterable(loader.dataset):
+        raise _refuse("this loader's dataset is an IterableDataset")
+    main, received, dataset_states = _parts(state)
+    rng = _sampler_rng(loader, main)
+    dataset_state = dataset_states[0] if dataset_states else None
+    ours: dict[str, Any] = {
+        "version": resume.STATE_VERSION,
+        "config": resume.describe(loader),
+        "pass": None,
+        "dataset_state": dataset_state,
+    }
+    if state["_iterator_finished"]:
+        # the epoch is over: the next one is this loader's own (its sampler's generator, or
+        # the global RNG, draws it), as after any state taken between epochs
+        ours["between"] = {
+            "generator": resume.generator_state(loader.generator),
+            "epoch": None,
+            "base_seed": None,
+            "sampler_state": None,
+        }
+        return ours
+    ours["pass"] = {
+        "base_seed": int(main.get("_base_seed") or main.get("_shared_seed") or 0),
+        "generator": None,
+        "sampler_rng": None if rng is None else list(rng),
+        "epoch": None,
+        "yielded": {"prefix": received, "later": []},
+        "sampler_state": None,
+        "global": None,
+    }
+    return ours
