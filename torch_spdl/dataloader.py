@@ -11,6 +11,7 @@ iterator, pin_memory warnings, the IterableDataset length warning, ``len()``) an
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import time
 import traceback
@@ -410,7 +411,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         epoch, then the epochs an uninterrupted run would have.
         """
         self._shard()
-        return resume.loader_state(self)
+        state = resume.loader_state(self)
+        if state.continuation is not None:  # between passes: the next pass's seeds, fixed
+            self._resume = state
+        return copy.deepcopy(state.raw)
+
+    def _take_continuation(self) -> resume.Continuation | None:
+        """The loaded state for the iterator being made now (it is used once)."""
+        pending, self._resume = self._resume, None
+        return None if pending is None else pending.continuation
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict()`` of a loader built the same way (``ValueError`` if it
@@ -467,7 +476,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
 class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
-        resumed = resume.take_continuation(loader)
+        resumed = loader._take_continuation()
         # a pass resumed mid-way made its draws before the state: undo the base_seed draw
         undo_draw = resumed is not None and not resumed.draws_base_seed and loader.generator is None
         with torch.random.fork_rng(devices=[], enabled=undo_draw):
@@ -946,7 +955,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._inline_at = 0
         self._settle()  # the pass before, if it was given up, before the new one draws
         super()._reset(loader, first_iter)
-        self._begin_pass(loader, resume.take_continuation(loader))
+        self._begin_pass(loader, loader._take_continuation())
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again
@@ -960,7 +969,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _begin_pass(self, loader: DataLoader, continuation: resume.Continuation | None) -> None:
         """Record the pass that starts now; however it ends, its sampler is settled
         (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed."""
-        self._pass = resume.start_pass(self, loader, continuation, prime=not self._plan.inline)
+        start = resume.start_pass(
+            loader,
+            continuation,
+            int(self._base_seed),
+            self._sampler_iter,
+            prime=not self._plan.inline,
+        )
+        self._base_seed, self._sampler_iter = start.base_seed, start.index_stream
+        self._num_yielded = start.yielded
+        self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
         self._stream_passes.record = self._pass
 

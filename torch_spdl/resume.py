@@ -660,27 +660,41 @@ def warn_fast_forward(dataset: Any, record: PassRecord) -> None:
 
 
 # -- the iterator's side ---------------------------------------------------------------------------
-def take_continuation(loader: Any) -> Continuation | None:
-    """The loaded state for the iterator being made now (it is used once)."""
-    pending, loader._resume = loader._resume, None
-    return None if pending is None else pending.continuation
+@dataclass(frozen=True)
+class PassStart:
+    """What an iterator begins a pass with: its record, and in place of what torch's setup
+    made, the pass's ``base_seed``, its index stream and the batches counted as yielded."""
+
+    record: PassRecord
+    base_seed: int
+    index_stream: Iterator[Any]
+    yielded: int
 
 
 def start_pass(
-    iterator: Any, loader: Any, continuation: Continuation | None, prime: bool
-) -> PassRecord:
-    """Begin recording a pass of ``iterator`` (after torch's own setup made its sampler iterator
-    and drew its ``base_seed``), continuing ``continuation`` if given; replaces its index stream."""
+    loader: Any,
+    continuation: Continuation | None,
+    drawn_base_seed: int,
+    index_stream: Iterator[Any],
+    prime: bool,
+) -> PassStart:
+    """Begin recording a pass of ``loader`` (after torch's setup made ``index_stream`` from the
+    loader's index sampler and drew ``drawn_base_seed``), continuing ``continuation`` if given.
+
+    ``prime`` starts a replayed sampler now, in the calling thread, as torch's worker iterator
+    does when it prefetches: its seed draw never races the user's own draws.
+    """
+    base_seed = drawn_base_seed
     if continuation is not None:
-        iterator._base_seed = continuation.base_seed
+        base_seed = continuation.base_seed
         set_generator_state(loader.generator, continuation.generator)
     epoch = epoch_state(loader._own_samplers[0])
     record = PassRecord(
-        iterator._base_seed,
+        base_seed,
         generator_state(loader.generator),
         None if epoch is None else epoch["epoch"],  # the pass's own; the loader's moves on
         continuation,
-        tracked=not is_iterable(iterator._dataset),
+        tracked=not is_iterable(loader.dataset),
         window=loader.num_workers * (loader.prefetch_factor or 0),
         snapshot_every=loader.snapshot_every_n_steps,
         workers=max(loader.num_workers, 1),
@@ -688,21 +702,16 @@ def start_pass(
     warn_fast_forward(loader.dataset, record)
     if record.order is None:
         record.order = global_order(loader, record.epoch)
+    if not record.tracked:
+        return PassStart(record, base_seed, index_stream, sum(map(len, record.streams_done)))
     if continuation is not None and continuation.rest is not None:
         rest = list(continuation.rest)
         batch_size = loader.batch_size
         share = rest if batch_size is None else BatchSampler(rest, batch_size, loader.drop_last)
-        iterator._sampler_iter = record.track(share, iter(share), prime)
-    elif record.tracked:
-        iterator._sampler_iter = record.track(
-            iterator._index_sampler, iterator._sampler_iter, prime
-        )
-    if record.tracked:
-        iterator._num_yielded = len(record.done)
+        index_stream = record.track(share, iter(share), prime)
     else:
-        iterator._num_yielded = sum(map(len, record.streams_done))
-    loader._pass = record
-    return record
+        index_stream = record.track(loader._index_sampler, index_stream, prime)
+    return PassStart(record, base_seed, index_stream, len(record.done))
 
 
 # -- the loader's side -----------------------------------------------------------------------------
@@ -844,10 +853,13 @@ def _even_out(indices: list[int], world: int, drop_last: bool) -> list[int]:
     return indices + (indices * (padding // len(indices) + 1))[:padding]
 
 
-def loader_state(loader: Any) -> dict[str, Any]:
-    """``DataLoader.state_dict()``."""
+def loader_state(loader: Any) -> Pending:
+    """``DataLoader.state_dict()``, as the loader keeps it until its next pass: a state taken
+    between passes fixes the next pass's seeds (:func:`next_pass`), and the loader that saved
+    it starts its next pass from them as a loader resumed from it does, so both make the same
+    epoch, whatever the global RNG holds by then. A state mid-pass continues nothing here."""
     if loader._resume is not None:
-        return copy.deepcopy(loader._resume.raw)
+        return loader._resume
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "config": describe(loader),
@@ -857,7 +869,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     record: PassRecord | None = loader._pass
     if record is not None and not record.finished:
         state["pass"] = record.state()
-        return state
+        return Pending(state, None)
     target = stateful_sampler(loader._index_sampler)
     iterator = loader._iterator  # a persistent iterator: its next pass keeps its base_seed
     base_seed = None if iterator is None else iterator._base_seed
@@ -870,10 +882,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
         "sampler_generators": [generator_state(g) for g in sampler_generators(loader)],
         "next_pass": _pass_seeds(following),
     }
-    # The loader that saved it starts its next pass from the same seeds as a loader resumed
-    # from it: both then make the same epoch, whatever the global RNG holds by then.
-    loader._resume = Pending(copy.deepcopy(state), following)
-    return state
+    return Pending(state, following)
 
 
 def _dataset_state(dataset: Any) -> Any:
