@@ -70,6 +70,7 @@ from .compat import (
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import where
 from .sampling import WorkerStreams
+from .stream_state import Recorded, WithState, open_stream
 from .workers import set_process_worker_info, worker_info
 
 WORKER_METHODS = ("auto", "thread", "process", "multiprocessing")
@@ -177,7 +178,7 @@ class FetchJob:
     def info_dataset(self, worker: int) -> Any:
         return self.dataset
 
-    def reset(self, worker: int) -> Reply:
+    def reset(self, worker: int, request: Any = None) -> Reply:
         return READY, None
 
     @functools.cached_property
@@ -202,7 +203,7 @@ class PreprocessJob:
     def info_dataset(self, worker: int) -> Any:
         return self.dataset
 
-    def reset(self, worker: int) -> Reply:
+    def reset(self, worker: int, request: Any = None) -> Reply:
         return READY, None
 
     def run(self, request: tuple[Any, Any], worker: int) -> Reply:
@@ -223,30 +224,43 @@ class IterableJob:
     collate_fn: Callable[[Any], Any]
     drop_last: bool
     batch_size: int | None
-    _batches: IterableBatches | None = field(default=None, init=False, repr=False)
+    _batches: Iterator[Any] | None = field(default=None, init=False, repr=False)
+    _records: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
     def info_dataset(self, worker: int) -> Any:
         return self.streams.dataset(worker)
 
-    def reset(self, worker: int) -> Reply:
+    def reset(self, worker: int, request: Any = None) -> Reply:
+        """A new iterator; ``request`` is ``(restored, every)`` (see
+        :mod:`torch_spdl.stream_state`): its state put back, and recorded every ``every``."""
         self._batches = None
+        restored, every = request if request is not None else (None, 1)
         args = (self.auto_collation, self.collate_fn, self.drop_last, self.batch_size)
-        status, payload = attempt(
-            lambda: IterableBatches(self.streams.stream(worker), *args),
-            self.stage,
-            worker,
-            lambda: None,
-        )
+
+        def start() -> Iterator[Any]:
+            dataset = self.streams.stream(worker)
+            iterator, at = open_stream(dataset, restored)
+            batches = IterableBatches(iterator, *args)
+            if not Recorded.wanted(dataset, iterator):
+                return batches
+            return Recorded(batches, at, every, dataset, iterator, self._records.append)
+
+        status, payload = attempt(start, self.stage, worker, lambda: None)
         if status == ERROR:
             return status, payload
         self._batches = payload
-        return READY, None
+        return READY, self._records.pop() if self._records else None
 
     def run(self, request: None, worker: int) -> Reply:
         batches = self._batches
         assert batches is not None, "reset() starts a worker's batches before it runs"
         status, payload = attempt(lambda: next(batches, _ENDED), self.stage, worker, lambda: None)
-        return (END, None) if payload is _ENDED else (status, payload)
+        if payload is _ENDED:
+            return END, None
+        if self._records:  # the stream's state after this batch goes with it
+            state = self._records.pop()
+            payload = WithState(payload, state)
+        return status, payload
 
 
 Job = FetchJob | PreprocessJob | IterableJob
@@ -335,7 +349,7 @@ def _serve(job: Job, worker: int, conn: connection.Connection) -> None:
             where = f"in reading a task of stage {job.stage!r} in worker process {worker}"
             _send(conn, (ERROR, ExceptionWrapper(where=where)), job.stage, worker)
             continue
-        reply = job.reset(worker) if op == RESET else job.run(payload, worker)
+        reply = job.reset(worker, payload) if op == RESET else job.run(payload, worker)
         del payload
         _send(conn, reply, job.stage, worker)
         del reply  # do not keep the last batch's shared memory alive while idle
@@ -762,17 +776,31 @@ class ProcessPool:
             task.value = payload
         return task
 
-    def batches(self, worker_id: int) -> Iterator[Any]:
-        """An IterableDataset epoch of this thread's worker: a fresh iterator there, then its
-        batches; an error is yielded in its place and iteration goes on, as in torch's workers."""
-        status, payload = self._exchange((RESET, None))
+    def batches(
+        self,
+        worker_id: int,
+        restored: dict[str, Any] | None = None,
+        every: int = 1,
+        keep: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Iterator[Any]:
+        """An IterableDataset epoch of this thread's worker: a fresh iterator there (its state
+        put back from ``restored``), then its batches; an error is yielded in its place and
+        iteration goes on, as in torch's workers. A stream with state of its own sends it
+        every ``every`` batches, for ``keep``."""
+        status, payload = self._exchange((RESET, (restored, every)))
         if status == ERROR:
             yield Failure(payload)
             return
+        if payload is not None and keep is not None:
+            keep(payload)
         while True:
             status, payload = self._exchange((RUN, None))
             if status == END:
                 return
+            if isinstance(payload, WithState):
+                if keep is not None:
+                    keep(payload.state)
+                payload = payload.batch
             yield Failure(payload) if status == ERROR else self._pin(payload)
 
 

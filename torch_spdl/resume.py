@@ -43,6 +43,7 @@ received (:class:`SkipReceived`).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -61,6 +62,7 @@ from torch.utils.data import (
 from .compat import is_iterable, random_sampler_num_samples
 from .failures import SKIPPED
 from .sampling import AutoEpochSampler
+from .stream_state import Recorded, is_stateful, open_stream
 
 STATE_VERSION = 1
 _END = object()  # an index stream's end, for next(stream, _END)
@@ -71,13 +73,6 @@ _REPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 # -- small helpers -------------------------------------------------------------------------------
-def is_stateful(obj: Any) -> bool:
-    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict(state)``."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
 def generator_state(generator: torch.Generator | None) -> bytes | None:
     """A generator's state as plain bytes (a checkpoint needs no tensor for it)."""
     return None if generator is None else generator.get_state().numpy().tobytes()
@@ -459,32 +454,27 @@ class PassRecord:
         A dataset or iterator with ``state_dict``/``load_state_dict`` (torchdata's protocol) is
         restored to where a resumed pass recorded it, and recorded every ``snapshot_every``
         batches; a stream without state is read again from its start. Either way, batches
-        received before the state are dropped in their places (:class:`SkipReceived`).
+        received before the state are dropped in their places (:meth:`resumed`).
         """
-        restored = self.restored[worker]
-        if restored is not None and restored["dataset"] is not None:
-            dataset.load_state_dict(copy.deepcopy(restored["dataset"]))
-        iterator = iter(dataset)
-        if restored is not None and restored["iterator"] is not None:
-            iterator.load_state_dict(copy.deepcopy(restored["iterator"]))
-        start = 0 if restored is None else int(restored["at"])
+        iterator, start = open_stream(dataset, self.restored[worker])
         batches = batches_of(iterator)
-        if is_stateful(dataset) or is_stateful(iterator):
-            batches = _Recorded(batches, self, worker, start, dataset, iterator)
+        if Recorded.wanted(dataset, iterator):
+            keep = functools.partial(self.keep_stream, worker)
+            batches = Recorded(batches, start, self.snapshot_every, dataset, iterator, keep)
+        return self.resumed(worker, batches, start)
+
+    def resumed(self, worker: int, batches: Iterable[Any], start: int) -> Iterable[Any]:
+        """``batches`` of worker ``worker``, which begin after ``start`` (restored there), less
+        those received before the state (:class:`SkipReceived`)."""
         received = None if self.received_before is None else self.received_before[worker]
         if start == 0 and (received is None or not len(received)):
             return batches
         return SkipReceived(batches, received or Progress(), start)
 
-    def record_stream(self, worker: int, number: int, dataset: Any, iterator: Any) -> None:
-        """The stream's own state once it has given ``number`` batches."""
-        state = {
-            "at": number,
-            "dataset": copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None,
-            "iterator": copy.deepcopy(iterator.state_dict()) if is_stateful(iterator) else None,
-        }
+    def keep_stream(self, worker: int, state: dict[str, Any]) -> None:
+        """A record of worker ``worker``'s stream (:func:`~torch_spdl.stream_state.state_of`)."""
         with self._lock:
-            self._stream_snapshots[worker][number] = state
+            self._stream_snapshots[worker][int(state["at"])] = state
 
     def _usable_stream(self, worker: int) -> dict[str, Any] | None:
         done = self.streams_done[worker].prefix
@@ -568,46 +558,6 @@ class SkipReceived:
         return SKIPPED if number in self._received else batch
 
 
-class _Recorded:
-    """A stream with state of its own: records it every ``snapshot_every`` batches."""
-
-    def __init__(
-        self,
-        batches: Iterable[Any],
-        record: PassRecord,
-        worker: int,
-        start: int,
-        dataset: Any,
-        iterator: Any,
-    ) -> None:
-        self._batches = iter(batches)
-        self._record = record
-        self._worker = worker
-        self._number = start
-        self._dataset = dataset
-        self._iterator = iterator
-        record.record_stream(worker, start, dataset, iterator)
-
-    def __iter__(self) -> _Recorded:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            raise
-        except Exception:
-            self._given()  # a batch that raised has its place in the stream too
-            raise
-        self._given()
-        return batch
-
-    def _given(self) -> None:
-        self._number += 1
-        if self._number % self._record.snapshot_every == 0:
-            self._record.record_stream(self._worker, self._number, self._dataset, self._iterator)
-
-
 class StreamPasses:
     """The current pass of an iterator over an IterableDataset, for its workers' function: the
     function holds this, not the iterator (a persistent pipeline calls it again every pass)."""
@@ -626,17 +576,25 @@ class StreamPasses:
 
         return batches
 
-    def batches(self, batches_of: Callable[[int], Iterable[Any]]) -> Callable[[int], Iterable[Any]]:
-        """Worker processes: their streams have no state here, only what was received."""
+    def batches(self, batches_of: ProcessStreams) -> Callable[[int], Iterable[Any]]:
+        """Worker processes: each restores and records its own stream (``batches_of`` is
+        :meth:`~torch_spdl.processes.ProcessPool.batches`); what was received is dropped here."""
 
         def batches(worker: int) -> Iterable[Any]:
             record = self.record
-            received = None if record is None else record.received_before
-            if received is None or not len(received[worker]):
-                return batches_of(worker)
-            return SkipReceived(batches_of(worker), received[worker])
+            assert record is not None  # set before any pass runs
+            restored = record.restored[worker]
+            keep = functools.partial(record.keep_stream, worker)
+            made = batches_of(worker, restored, record.snapshot_every, keep)
+            return record.resumed(worker, made, 0 if restored is None else int(restored["at"]))
 
         return batches
+
+
+# ProcessPool.batches: (worker, restored state or None, snapshot interval, keep a record)
+ProcessStreams = Callable[
+    [int, "dict[str, Any] | None", int, Callable[[dict[str, Any]], None]], Iterable[Any]
+]
 
 
 def warn_fast_forward(dataset: Any, record: PassRecord) -> None:

@@ -1,0 +1,94 @@
+"""A worker stream's own state, for resuming an IterableDataset in the middle of a pass.
+
+A dataset, or the iterator its ``__iter__`` returns, with ``state_dict()`` and
+``load_state_dict()`` (torchdata's ``Stateful`` protocol) is restored where a state recorded it
+and recorded again every so many batches. The same code runs in a worker thread and in a worker
+process (which sends its records to the main process with its batches); see
+:meth:`torch_spdl.resume.PassRecord.stream`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+def is_stateful(obj: Any) -> bool:
+    """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict(state)``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def open_stream(dataset: Any, restored: dict[str, Any] | None) -> tuple[Any, int]:
+    """``iter(dataset)``, with the dataset's and the iterator's states put back first; and the
+    number of batches the stream had given where they were recorded (0 for a fresh one)."""
+    if restored is not None and restored["dataset"] is not None:
+        dataset.load_state_dict(copy.deepcopy(restored["dataset"]))
+    iterator = iter(dataset)
+    if restored is not None and restored["iterator"] is not None:
+        iterator.load_state_dict(copy.deepcopy(restored["iterator"]))
+    return iterator, 0 if restored is None else int(restored["at"])
+
+
+def state_of(number: int, dataset: Any, iterator: Any) -> dict[str, Any]:
+    """The stream's state once it has given ``number`` batches."""
+    return {
+        "at": number,
+        "dataset": copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None,
+        "iterator": copy.deepcopy(iterator.state_dict()) if is_stateful(iterator) else None,
+    }
+
+
+@dataclass
+class WithState:
+    """A worker process's batch with its stream's state after it (every so many batches)."""
+
+    batch: Any
+    state: dict[str, Any]
+
+
+class Recorded:
+    """A stream's batches, its state recorded (``keep``) at its start and every ``every``."""
+
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        start: int,
+        every: int,
+        dataset: Any,
+        iterator: Any,
+        keep: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self._batches = iter(batches)
+        self._number = start
+        self._every = every
+        self._dataset = dataset
+        self._iterator = iterator
+        self._keep = keep
+        keep(state_of(start, dataset, iterator))
+
+    @staticmethod
+    def wanted(dataset: Any, iterator: Any) -> bool:
+        return is_stateful(dataset) or is_stateful(iterator)
+
+    def __iter__(self) -> Recorded:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise
+        except Exception:
+            self._given()  # a batch that raised has its place in the stream too
+            raise
+        self._given()
+        return batch
+
+    def _given(self) -> None:
+        self._number += 1
+        if self._number % self._every == 0:
+            self._keep(state_of(self._number, self._dataset, self._iterator))
