@@ -585,3 +585,40 @@ def _torchdata_state(dataset: Any, **options: Any) -> dict:
 def test_a_torchdata_checkpoint_that_does_not_map_is_refused(state_of, ours, match):
     with pytest.raises(ValueError, match=rf"torchdata StatefulDataLoader state.*{match}"):
         ours().load_state_dict(state_of())
+
+
+# -- in a fresh process -------------------------------------------------------------------------
+RESUME_IN_A_FRESH_PROCESS = """
+import json, sys, torch
+from torch_spdl import DataLoader
+loader = DataLoader(list(range(28)), batch_size=4, shuffle=True, num_workers=int(sys.argv[2]))
+loader.load_state_dict(torch.load(sys.argv[1], weights_only=True))
+print(json.dumps([[batch.tolist() for batch in loader] for _ in range(2)]))
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("taken", [3, None], ids=["mid_epoch", "end_of_epoch"])
+def test_a_fresh_process_resumes_what_the_saving_one_goes_on_with(tmp_path, workers, taken):
+    """``shuffle=True`` with no generator, the global RNG left as a new interpreter has it (not
+    restored): the rest of the epoch, or the next epoch after a state between epochs, is the
+    saving job's. (The epochs after the first continue from the global RNG, which a job restores
+    when it resumes; only the first is compared.)"""
+    import json
+
+    from subprocesses import run_python
+
+    torch.manual_seed(0)
+    loader = DataLoader(DATA, batch_size=4, shuffle=True, num_workers=workers)
+    epoch(loader)
+    iterator = iter(loader)
+    head = [next(iterator).tolist() for _ in range(taken or 7)]
+    if taken is None:
+        head += epoch(iterator)  # the end of the pass: the state is between epochs
+    state_file = tmp_path / "state.pt"
+    torch.save(loader.state_dict(), state_file)
+    want = epoch(iterator) if taken else epoch(loader)
+    del iterator
+    out = run_python("-c", RESUME_IN_A_FRESH_PROCESS, str(state_file), str(workers))
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got[0] == want
