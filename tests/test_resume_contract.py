@@ -9,6 +9,7 @@ process is imitated by re-seeding the global RNG elsewhere before the resumed lo
 from __future__ import annotations
 
 import pickle
+import random
 import warnings
 from typing import Any
 
@@ -622,3 +623,54 @@ def test_a_fresh_process_resumes_what_the_saving_one_goes_on_with(tmp_path, work
     out = run_python("-c", RESUME_IN_A_FRESH_PROCESS, str(state_file), str(workers))
     got = json.loads(out.strip().splitlines()[-1])
     assert got[0] == want
+
+
+class WorkerRandomStream(tud.IterableDataset):
+    """Each worker's copy draws from a generator of its own (a copy of the dataset copies it),
+    which goes on from epoch to epoch where the workers persist. Python's ``random.Random``:
+    a ``torch.Generator`` does not reach a worker process started by a fork server (torch's
+    own loader fails there too)."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(1)
+
+    def __copy__(self) -> WorkerRandomStream:
+        twin = WorkerRandomStream()
+        twin.rng.setstate(self.rng.getstate())
+        return twin
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        worker = 0 if info is None else info.id
+        return iter([worker * 1000 + self.rng.randrange(1000) for _ in range(4)])
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_persistent_workers_go_on_from_their_datasets_after_an_end_of_epoch_state(method):
+    """A persistent worker keeps its copy of the dataset from epoch to epoch: a loader resumed
+    from a state between epochs gives its workers' copies the states they ended with."""
+
+    def make() -> DataLoader:
+        return DataLoader(
+            WorkerRandomStream(),
+            batch_size=2,
+            num_workers=2,
+            persistent_workers=True,
+            worker_method=method,
+        )
+
+    saving = make()
+    first = epoch(saving)
+    state = saving.state_dict()
+    want = [epoch(saving), epoch(saving)]
+    resumed = make()
+    resumed.load_state_dict(elsewhere(state))
+    got = [epoch(resumed), epoch(resumed)]
+    assert got == want
+    assert got[0] != first

@@ -255,8 +255,8 @@ class IterableJob:
         batches = self._batches
         assert batches is not None, "reset() starts a worker's batches before it runs"
         status, payload = attempt(lambda: next(batches, _ENDED), self.stage, worker, lambda: None)
-        if payload is _ENDED:
-            return END, None
+        if payload is _ENDED:  # with the stream's state at its end, where it records one
+            return END, self._records.pop() if self._records else None
         if self._records:  # the stream's state after this batch goes with it
             state = self._records.pop()
             payload = WithState(payload, state)
@@ -796,6 +796,8 @@ class ProcessPool:
         while True:
             status, payload = self._exchange((RUN, None))
             if status == END:
+                if payload is not None and keep is not None:
+                    keep(payload)
                 return
             if isinstance(payload, WithState):
                 if keep is not None:

@@ -43,6 +43,7 @@ received (:class:`SkipReceived`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
 import warnings
@@ -476,6 +477,19 @@ class PassRecord:
         with self._lock:
             self._stream_snapshots[worker][int(state["at"])] = state
 
+    def ended_streams(self) -> list[dict[str, Any] | None]:
+        """Each worker stream's dataset state at the end of this finished pass, as a restored
+        state for the next pass's copies (a persistent worker keeps its copy from pass to pass);
+        None for a stream that recorded none."""
+        with self._lock:
+            ends = [max(snaps.items(), default=(0, None))[1] for snaps in self._stream_snapshots]
+        return [
+            None
+            if end is None or end["dataset"] is None
+            else {"at": 0, "dataset": end["dataset"], "iterator": None}
+            for end in ends
+        ]
+
     def _usable_stream(self, worker: int) -> dict[str, Any] | None:
         done = self.streams_done[worker].prefix
         usable = [at for at in self._stream_snapshots[worker] if at <= done]
@@ -832,6 +846,8 @@ def loader_state(loader: Any) -> Pending:
     iterator = loader._iterator  # a persistent iterator: its next pass keeps its base_seed
     base_seed = None if iterator is None else iterator._base_seed
     following = next_pass(loader, base_seed if _reuses_iterator(loader) else None)
+    if record is not None and not record.tracked and _reuses_iterator(loader):
+        following = _with_stream_datasets(following, record.ended_streams())
     state["between"] = {
         "generator": generator_state(loader.generator),
         "epoch": epoch_state(loader._own_samplers[0]),
@@ -839,6 +855,9 @@ def loader_state(loader: Any) -> Pending:
         "sampler_state": None if target is None else copy.deepcopy(target.state_dict()),
         "sampler_generators": [generator_state(g) for g in sampler_generators(loader)],
         "next_pass": _pass_seeds(following),
+        "stream_datasets": None
+        if following.stream_states is None
+        else list(following.stream_states),
     }
     return Pending(state, following)
 
@@ -848,6 +867,19 @@ def _dataset_state(dataset: Any) -> Any:
     no workers, or between passes, where the next pass's copies are made from it. Worker
     streams of an IterableDataset record theirs with each pass (:meth:`PassRecord.stream`)."""
     return copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None
+
+
+def _with_stream_datasets(
+    following: Continuation, ends: list[dict[str, Any] | None]
+) -> Continuation:
+    """The next pass of persistent workers goes on from their copies' datasets as they ended."""
+    if all(end is None for end in ends):
+        return following
+    return dataclasses.replace(
+        following,
+        streams=tuple(Progress() for _ in ends),
+        stream_states=tuple(ends),
+    )
 
 
 def _reuses_iterator(loader: Any) -> bool:
@@ -1031,7 +1063,7 @@ def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
     following = saved.get("next_pass")
     if following is not None:
         rng = following["sampler_rng"]
-        return Continuation(
+        continuation = Continuation(
             int(following["base_seed"]),
             following["generator"],
             None if rng is None else (rng[0], rng[1]),
@@ -1040,6 +1072,16 @@ def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
             draws_base_seed=bool(following["draws_base_seed"]),
             draws_sampler_seed=True,
         )
+        ends = saved.get("stream_datasets")
+        if ends is None:
+            return continuation
+        if len(ends) != max(loader.num_workers, 1):
+            raise ValueError(
+                f"this DataLoader state holds the datasets of {len(ends)} persistent worker "
+                f"stream(s); this loader has {max(loader.num_workers, 1)}: build it with "
+                f"num_workers={len(ends)}"
+            )
+        return _with_stream_datasets(continuation, list(ends))
     # a state from before next_pass was recorded
     if saved["base_seed"] is None or not _reuses_iterator(loader):
         return None

@@ -81,6 +81,9 @@ class Recorded:
         try:
             batch = next(self._batches)
         except StopIteration:
+            if self._iterator is not None:  # its state at its end: what a next pass goes on from
+                self._keep(state_of(self._number, self._dataset, self._iterator))
+                self._iterator = None
             raise
         except Exception:
             self._given()  # a batch that raised has its place in the stream too
