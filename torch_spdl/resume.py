@@ -294,9 +294,9 @@ class PassRecord:
         self.skip = c.done if c else Progress()  # received before this pass resumed: not drawn
         self.done = self.skip.copy()
         self.start = c.start if c else 0
+        self.order: dict[str, Any] | None = c.order if c else None  # see global_order
         # An IterableDataset's pass: worker w's k-th batch is the pass's item k * workers + w
         # (WorkerSource's numbering; one stream with no workers). Per worker, what was received.
-        self.order: dict[str, Any] | None = c.order if c else None  # see global_order
         self.received_before = c.streams if c else None  # what a resumed stream drops
         before = self.received_before or [Progress() for _ in range(workers)]
         self.streams_done = [received.copy() for received in before]
