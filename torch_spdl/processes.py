@@ -70,7 +70,7 @@ from .compat import (
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import where
 from .sampling import WorkerStreams
-from .stream_state import Recorded, WithState, open_stream
+from .stream_state import WithState, recorded_stream
 from .workers import set_process_worker_info, worker_info
 
 WORKER_METHODS = ("auto", "thread", "process", "multiprocessing")
@@ -239,11 +239,8 @@ class IterableJob:
 
         def start() -> Iterator[Any]:
             dataset = self.streams.stream(worker)
-            iterator, at = open_stream(dataset, restored)
-            batches = IterableBatches(iterator, *args)
-            if not Recorded.wanted(dataset, iterator):
-                return batches
-            return Recorded(batches, at, every, dataset, iterator, self._records.append)
+            batches_of = lambda iterator: IterableBatches(iterator, *args)  # noqa: E731
+            return recorded_stream(dataset, restored, every, batches_of, self._records.append)[0]
 
         status, payload = attempt(start, self.stage, worker, lambda: None)
         if status == ERROR:

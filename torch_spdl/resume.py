@@ -63,7 +63,7 @@ from torch.utils.data import (
 from .compat import is_iterable, random_sampler_num_samples
 from .failures import SKIPPED
 from .sampling import AutoEpochSampler
-from .stream_state import Recorded, is_stateful, open_stream
+from .stream_state import is_stateful, recorded_stream
 
 STATE_VERSION = 1
 _END = object()  # an index stream's end, for next(stream, _END)
@@ -457,11 +457,10 @@ class PassRecord:
         batches; a stream without state is read again from its start. Either way, batches
         received before the state are dropped in their places (:meth:`resumed`).
         """
-        iterator, start = open_stream(dataset, self.restored[worker])
-        batches = batches_of(iterator)
-        if Recorded.wanted(dataset, iterator):
-            keep = functools.partial(self.keep_stream, worker)
-            batches = Recorded(batches, start, self.snapshot_every, dataset, iterator, keep)
+        keep = functools.partial(self.keep_stream, worker)
+        batches, start = recorded_stream(
+            dataset, self.restored[worker], self.snapshot_every, batches_of, keep
+        )
         return self.resumed(worker, batches, start)
 
     def resumed(self, worker: int, batches: Iterable[Any], start: int) -> Iterable[Any]:

@@ -10,7 +10,7 @@ process (which sends its records to the main process with its batches); see
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,23 @@ def state_of(number: int, dataset: Any, iterator: Any) -> dict[str, Any]:
     }
 
 
+def recorded_stream(
+    dataset: Any,
+    restored: dict[str, Any] | None,
+    every: int,
+    batches_of: Callable[[Any], Iterable[Any]],
+    keep: Callable[[dict[str, Any]], None],
+) -> tuple[Iterator[Any], int]:
+    """A worker's batches from ``dataset``, restored from ``restored`` (:func:`open_stream`)
+    and, where it has state of its own, recorded for ``keep`` (:class:`Recorded`); and the
+    number of batches the stream had given where it was restored."""
+    iterator, start = open_stream(dataset, restored)
+    batches = iter(batches_of(iterator))
+    if is_stateful(dataset) or is_stateful(iterator):
+        batches = Recorded(batches, start, every, dataset, iterator, keep)
+    return batches, start
+
+
 @dataclass
 class WithState:
     """A worker process's batch with its stream's state after it (every so many batches)."""
@@ -69,10 +86,6 @@ class Recorded:
         self._iterator = iterator
         self._keep = keep
         keep(state_of(start, dataset, iterator))
-
-    @staticmethod
-    def wanted(dataset: Any, iterator: Any) -> bool:
-        return is_stateful(dataset) or is_stateful(iterator)
 
     def __iter__(self) -> Recorded:
         return self
