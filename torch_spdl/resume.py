@@ -176,6 +176,33 @@ class Progress:
         return cls(prefix, later)
 
 
+class Snapshots:
+    """States recorded when so many batches had been drawn (a sampler's) or given (a worker
+    stream's), kept from the latest one a resume could start from: at or before the first batch
+    not yet received, since the source runs ahead of the user. The record's lock guards it."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, Any] = {}
+
+    def put(self, at: int, state: Any) -> None:
+        self._at[at] = state
+
+    def usable(self, received: int) -> tuple[int, Any] | None:
+        """``(at, state)`` of the latest record at or before batch ``received``."""
+        at = max((at for at in self._at if at <= received), default=None)
+        return None if at is None else (at, self._at[at])
+
+    def prune(self, received: int) -> None:
+        """Drop the records older than the one :meth:`usable` gives."""
+        usable = self.usable(received)
+        for at in [at for at in self._at if usable is not None and at < usable[0]]:
+            del self._at[at]
+
+    def last(self) -> Any:
+        """The latest record's state (None if there is none)."""
+        return self._at[max(self._at)] if self._at else None
+
+
 @dataclass(frozen=True)
 class Continuation:
     """What the next iterator continues from instead of starting afresh."""
@@ -301,11 +328,11 @@ class PassRecord:
         before = self.received_before or [Progress() for _ in range(workers)]
         self.streams_done = [received.copy() for received in before]
         self.restored = (c.stream_states if c else None) or (None,) * len(before)
-        self._stream_snapshots: list[dict[int, dict[str, Any]]] = [{} for _ in before]
+        self._stream_snapshots = [Snapshots() for _ in before]
         self._skip_later = sorted(self.skip.later)
         self._taken = 0
         self._stateful: Any = None
-        self._snapshots: dict[int, Any] = {}
+        self._snapshots = Snapshots()  # a stateful sampler's
         self._lock = threading.Lock()
         self._replay: _Replay | None = None
         self._fresh: Callable[[], Iterator[Any]] | None = None  # the replayed sampler, anew
@@ -403,7 +430,7 @@ class PassRecord:
         """The sampler's state once ``drawn`` batches have come out of it."""
         state = copy.deepcopy(self._stateful.state_dict())
         with self._lock:
-            self._snapshots[drawn] = state
+            self._snapshots.put(drawn, state)
 
     # -- consumer side ----------------------------------------------------------------------
     def took(self) -> None:
@@ -416,15 +443,16 @@ class PassRecord:
         if position is None:
             return
         if not self.tracked:
-            workers = len(self.streams_done)
-            self.streams_done[position % workers].add(position // workers)
+            worker, number = position % len(self.streams_done), position // len(self.streams_done)
+            done = self.streams_done[worker]
+            done.add(number)
             with self._lock:
-                self._prune_stream(position % workers)
+                self._stream_snapshots[worker].prune(done.prefix)
             return
         self.done.add(self._number(position))
         if self._stateful is not None:
             with self._lock:
-                self._prune()
+                self._snapshots.prune(self.done.prefix)
 
     def _number(self, position: int) -> int:
         """The batch number of the ``position``-th batch the stream yields: the skipped ones
@@ -435,16 +463,6 @@ class PassRecord:
                 break
             number += 1
         return number
-
-    def _usable_snapshot(self) -> int:
-        """The snapshot to resume from: the latest one at or before the first batch not
-        received (the source may not have drawn past a skipped batch yet)."""
-        return max(drawn for drawn in self._snapshots if drawn <= self.done.prefix)
-
-    def _prune(self) -> None:
-        keep = self._usable_snapshot()
-        for drawn in [d for d in self._snapshots if d < keep]:
-            del self._snapshots[drawn]
 
     # -- an IterableDataset's streams ------------------------------------------------------
     def stream(
@@ -474,14 +492,14 @@ class PassRecord:
     def keep_stream(self, worker: int, state: dict[str, Any]) -> None:
         """A record of worker ``worker``'s stream (:func:`~torch_spdl.stream_state.state_of`)."""
         with self._lock:
-            self._stream_snapshots[worker][int(state["at"])] = state
+            self._stream_snapshots[worker].put(int(state["at"]), state)
 
     def ended_streams(self) -> list[dict[str, Any] | None]:
         """Each worker stream's dataset state at the end of this finished pass, as a restored
         state for the next pass's copies (a persistent worker keeps its copy from pass to pass);
         None for a stream that recorded none."""
         with self._lock:
-            ends = [max(snaps.items(), default=(0, None))[1] for snaps in self._stream_snapshots]
+            ends = [snapshots.last() for snapshots in self._stream_snapshots]
         return [
             None
             if end is None or end["dataset"] is None
@@ -489,20 +507,13 @@ class PassRecord:
             for end in ends
         ]
 
-    def _usable_stream(self, worker: int) -> dict[str, Any] | None:
-        done = self.streams_done[worker].prefix
-        usable = [at for at in self._stream_snapshots[worker] if at <= done]
-        return self._stream_snapshots[worker][max(usable)] if usable else None
-
-    def _prune_stream(self, worker: int) -> None:
-        keep = self._usable_stream(worker)
-        snapshots = self._stream_snapshots[worker]
-        for at in [at for at in snapshots if keep is not None and at < keep["at"]]:
-            del snapshots[at]
-
     def _streams_state(self) -> dict[str, Any]:
         with self._lock:
-            states = [copy.deepcopy(self._usable_stream(w)) for w in range(len(self.streams_done))]
+            usable = [
+                snapshots.usable(done.prefix)
+                for snapshots, done in zip(self._stream_snapshots, self.streams_done, strict=True)
+            ]
+            states = [None if found is None else copy.deepcopy(found[1]) for found in usable]
         return {
             "base_seed": self.base_seed,
             "generator": self.generator,
@@ -520,8 +531,9 @@ class PassRecord:
         sampler_state = None
         if self._stateful is not None:
             with self._lock:
-                at = self._usable_snapshot()
-                sampler_state = {"at": at, "state": copy.deepcopy(self._snapshots[at])}
+                usable = self._snapshots.usable(self.done.prefix)
+                assert usable is not None  # the one at the pass's start is never pruned
+                sampler_state = {"at": usable[0], "state": copy.deepcopy(usable[1])}
         return {
             "base_seed": self.base_seed,
             "generator": self.generator,
