@@ -674,3 +674,12 @@ def test_persistent_workers_go_on_from_their_datasets_after_an_end_of_epoch_stat
     got = [epoch(resumed), epoch(resumed)]
     assert got == want
     assert got[0] != first
+
+
+def test_persistent_workers_datasets_need_as_many_workers():
+    saving = DataLoader(WorkerRandomStream(), batch_size=2, num_workers=2, persistent_workers=True)
+    epoch(saving)
+    state = saving.state_dict()
+    other = DataLoader(WorkerRandomStream(), batch_size=2, num_workers=3, persistent_workers=True)
+    with pytest.raises(ValueError, match=r"persistent workers for 2 worker stream\(s\); this loa"):
+        other.load_state_dict(state)

@@ -1045,16 +1045,14 @@ def _continue_streams(loader: Any, saved: dict[str, Any]) -> Continuation:
     """An IterableDataset's pass: its workers' streams are read again, dropping what was
     received (:class:`SkipReceived`); they must be split as they were."""
     streams = tuple(Progress.from_state(received) for received in saved["streams"])
-    workers = max(loader.num_workers, 1)
-    if len(streams) != workers:
-        raise ValueError(
-            f"this DataLoader state was taken in the middle of a pass over an IterableDataset "
-            f"with {len(streams)} worker stream(s); this loader has {workers}: each worker "
-            f"reads its own part of the stream, so build the loader with "
-            f"num_workers={len(streams) if len(streams) > 1 else 0}"
-        )
+    _check_streams(
+        loader,
+        len(streams),
+        "was taken in the middle of a pass over an IterableDataset with",
+        "each worker reads its own part of the stream",
+    )
     restore_epoch(loader._own_samplers[0], saved["epoch"])
-    states = saved.get("stream_states") or [None] * workers
+    states = saved.get("stream_states") or [None] * len(streams)
     return Continuation(
         int(saved["base_seed"]),
         saved["generator"],
@@ -1064,6 +1062,17 @@ def _continue_streams(loader: Any, saved: dict[str, Any]) -> Continuation:
         streams=streams,
         stream_states=tuple(states),
     )
+
+
+def _check_streams(loader: Any, count: int, what: str, why: str) -> None:
+    """A state with ``count`` worker streams fits a loader with as many workers (one stream
+    with none)."""
+    workers = max(loader.num_workers, 1)
+    if count != workers:
+        raise ValueError(
+            f"this DataLoader state {what} {count} worker stream(s); this loader has {workers}: "
+            f"{why}, so build the loader with num_workers={count if count > 1 else 0}"
+        )
 
 
 def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
@@ -1086,12 +1095,12 @@ def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
         ends = saved.get("stream_datasets")
         if ends is None:
             return continuation
-        if len(ends) != max(loader.num_workers, 1):
-            raise ValueError(
-                f"this DataLoader state holds the datasets of {len(ends)} persistent worker "
-                f"stream(s); this loader has {max(loader.num_workers, 1)}: build it with "
-                f"num_workers={len(ends)}"
-            )
+        _check_streams(
+            loader,
+            len(ends),
+            "holds the datasets of persistent workers for",
+            "each worker goes on from its own copy",
+        )
         return _with_stream_datasets(continuation, list(ends))
     # a state from before next_pass was recorded
     if saved["base_seed"] is None or not _reuses_iterator(loader):
