@@ -84,6 +84,17 @@ def set_generator_state(generator: torch.Generator | None, state: bytes | None) 
         generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
+def generator_of(rng: tuple[str, Any]) -> torch.Generator:
+    """A generator as a pass's recorded ``sampler_rng`` starts it: ``("seed", int)`` seeds it,
+    ``("state", bytes)`` sets its state."""
+    generator = torch.Generator()
+    if rng[0] == "seed":
+        generator.manual_seed(int(rng[1]))
+    else:
+        set_generator_state(generator, rng[1])
+    return generator
+
+
 def _length(obj: Any) -> int | None:
     try:
         return len(obj)
@@ -265,20 +276,16 @@ class _Replay:
     def _begin(self) -> Iterator[Any]:
         sampler, saved = self._sampler, self._record.sampler_rng
         if sampler.generator is None:
-            generator = torch.Generator()
-            if saved is not None and saved[0] == "state":  # a torchdata checkpoint's generator
-                set_generator_state(generator, saved[1])
-            else:
+            if saved is None or saved[0] == "seed":  # else a torchdata checkpoint's generator
                 if saved is None or self._record.draws_sampler_seed:
                     drawn = _draw(None)  # torch's draw (dropped where the state fixed the seed)
-                seed = int(saved[1]) if saved else drawn
-                self._record.sampler_rng = ("seed", seed)
-                generator.manual_seed(seed)
+                saved = ("seed", int(saved[1]) if saved else drawn)
+                self._record.sampler_rng = saved
             replica = RandomSampler(
                 sampler.data_source,
                 sampler.replacement,
                 random_sampler_num_samples(sampler),
-                generator,
+                generator_of(saved),
             )
             return iter(replica)
         if saved is not None:
@@ -770,12 +777,7 @@ def _order_indices(order: dict[str, Any], sampler_rng: Any) -> list[int]:
         return list(range(length))
     if sampler_rng is None:
         raise ValueError("this DataLoader state has no shuffle seed to rebuild its order from")
-    generator = torch.Generator()
-    if sampler_rng[0] == "seed":
-        generator.manual_seed(int(sampler_rng[1]))
-    else:
-        set_generator_state(generator, sampler_rng[1])
-    return list(RandomSampler(range(length), generator=generator))
+    return list(RandomSampler(range(length), generator=generator_of(sampler_rng)))
 
 
 def _elsewhere(loader: Any, saved: dict[str, Any]) -> bool:
