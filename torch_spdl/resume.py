@@ -63,7 +63,7 @@ from torch.utils.data import (
 from .compat import is_iterable, random_sampler_num_samples
 from .failures import SKIPPED
 from .sampling import AutoEpochSampler
-from .stream_state import is_stateful, recorded_stream
+from .stream_state import is_stateful, recorded_stream, start_of
 
 STATE_VERSION = 1
 _END = object()  # an index stream's end, for next(stream, _END)
@@ -618,7 +618,7 @@ class StreamPasses:
             restored = record.restored[worker]
             keep = functools.partial(record.keep_stream, worker)
             made = batches_of(worker, restored, record.snapshot_every, keep)
-            return record.resumed(worker, made, 0 if restored is None else int(restored["at"]))
+            return record.resumed(worker, made, start_of(restored))
 
         return batches
 

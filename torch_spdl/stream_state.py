@@ -30,7 +30,12 @@ def open_stream(dataset: Any, restored: dict[str, Any] | None) -> tuple[Any, int
     iterator = iter(dataset)
     if restored is not None and restored["iterator"] is not None:
         iterator.load_state_dict(copy.deepcopy(restored["iterator"]))
-    return iterator, 0 if restored is None else int(restored["at"])
+    return iterator, start_of(restored)
+
+
+def start_of(restored: dict[str, Any] | None) -> int:
+    """How many batches a stream restored from ``restored`` had given (0: from its start)."""
+    return 0 if restored is None else int(restored["at"])
 
 
 def state_of(number: int, dataset: Any, iterator: Any) -> dict[str, Any]:
