@@ -406,11 +406,19 @@ class Hashes(Dataset):
         return index
 
 
+CHOSE_THREAD = "worker_method='auto' chose thread"
+
+
 def test_a_stage_that_releases_the_gil_stays_on_threads(no_leak):
-    loader = torch_spdl.DataLoader(Hashes(), batch_size=4, num_workers=2)
-    assert torch.cat(list(loader)).tolist() == list(range(3000))
-    executor = loader.stats().executor
-    assert executor.startswith("worker_method='auto' chose thread"), executor
+    """The choice is a measurement: on a shared machine another program's burst can, for a
+    moment, look like GIL waits. So a fresh loader measures again, three times at most; a stage
+    that always went to processes (or to the training loop's thread) still fails."""
+    choices = []
+    while len(choices) < 3 and not any(c.startswith(CHOSE_THREAD) for c in choices):
+        loader = torch_spdl.DataLoader(Hashes(), batch_size=4, num_workers=2)
+        assert torch.cat(list(loader)).tolist() == list(range(3000))
+        choices.append(loader.stats().executor)
+    assert choices[-1].startswith(CHOSE_THREAD), choices
 
 
 class Stream(IterableDataset):
