@@ -29,6 +29,7 @@ def plan_of(
     persistent: bool = False,
     cached: bool = False,
     samples_per_batch: int = 4,
+    stateful: bool = False,
 ):
     return make_plan(
         options or Options(),
@@ -42,6 +43,7 @@ def plan_of(
         decided=decided,
         pin_memory=False,
         samples_per_batch=samples_per_batch,
+        stateful=stateful,
     )
 
 
@@ -69,6 +71,29 @@ def test_streams_under_auto_say_why_they_stay_on_threads():
     plan = plan_of(iterable=True)
     assert plan.decision is not None and plan.decision.executor == THREAD
     assert "streams stay where they start" in str(plan.decision)
+
+
+@pytest.mark.parametrize(
+    "worker_method, num_workers, hooks, iterable, copies, executor",
+    [
+        ("auto", 2, None, False, True, THREAD),  # stays on the threads' copies
+        ("thread", 2, None, False, True, THREAD),
+        ("process", 2, None, False, True, PROCESS),  # a copy in each process
+        ("auto", 0, None, False, False, INLINE),  # the loader's own dataset, as torch's
+        ("auto", 2, STAGED, False, False, AUTO),  # hooks: the dataset is shared, not copied
+        ("auto", 2, None, True, False, THREAD),  # a stream's copies are its workers' already
+    ],
+)
+def test_a_dataset_with_state_is_read_from_a_copy_per_worker(
+    worker_method, num_workers, hooks, iterable, copies, executor
+):
+    options = Options(worker_method=worker_method)
+    plan = plan_of(options, num_workers=num_workers, hooks=hooks, iterable=iterable, stateful=True)
+    assert (plan.copies, plan.executor) == (copies, executor)
+    assert ("'s copy of the dataset" in str(plan)) is copies
+    if copies and worker_method == "auto":
+        assert plan.decision is not None and "stays on its workers' copies" in str(plan.decision)
+    assert not plan_of(options, num_workers=num_workers, hooks=hooks, iterable=iterable).copies
 
 
 @pytest.mark.parametrize(

@@ -457,6 +457,31 @@ def test_workers_killed_between_epochs_fail_the_next_one():
     del loader
 
 
+class StatefulPids(Pids):
+    """Pids with state of its own: each worker process reads batch i % 2 on its own copy."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_dead_worker_with_a_copy_of_a_stateful_dataset_fails_its_batches():
+    """Its copy's state died with it: it is not replaced, and its batches fail, saying so."""
+    loader = ours(StatefulPids(meet=False), batch_size=1, num_workers=2, persistent_workers=True)
+    pids = [batch.item() for batch in loader]
+    assert pids[0::2] == [pids[0]] * 4 and pids[1::2] == [pids[1]] * 4  # batch i on worker i % 2
+    os.kill(pids[0], signal.SIGKILL)
+    iterator = iter(loader)
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly with exit code -9"):
+        next(iterator)
+    assert next(iterator).item() == pids[1]
+    with pytest.raises(RuntimeError, match=r"died earlier, and its copy of the dataset"):
+        next(iterator)
+    iterator.close()
+
+
 def test_timeout_raises_torchs_error():
     gate = CONTEXT.Event()
     it = iter(ours(WaitsAt(gate), num_workers=2, timeout=0.3))

@@ -484,6 +484,121 @@ def test_a_map_style_datasets_own_state_is_saved_and_restored(cls, taken):
         assert [head, epoch(resumed)] == want
 
 
+class WorkerAugmenting(tud.Dataset):
+    """A map-style dataset whose items draw from a generator of its own (``random.Random``: it
+    reaches a worker process from a fork server), with its state: with workers, each worker's
+    copy draws from its own, so items depend on which worker read which batch."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(2)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        return index * 1000 + self.rng.randrange(1000)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+
+def _augmenting(cls: Any, method: str, persistent: bool, in_order: bool = True) -> Any:
+    extra = {"worker_method": method} if cls is DataLoader else {}
+    return cls(
+        WorkerAugmenting(),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=persistent,
+        in_order=in_order,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_a_stateful_map_style_dataset_with_workers_reads_as_torchs(method, persistent):
+    """Batch i on worker i % 2's own copy, as torch's workers read it: the same items in every
+    run, and the same as torchdata's (whose workers are torch's)."""
+    torchdata = _augmenting(StatefulDataLoader, method, persistent)
+    want = [epoch(torchdata), epoch(torchdata)]
+    ours = _augmenting(DataLoader, method, persistent)
+    assert [epoch(ours), epoch(ours)] == want
+    assert (want[0] == want[1]) is not persistent  # fresh copies each epoch, or carried on
+
+
+@pytest.mark.parametrize("taken", [1, 3, 5, 8])
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_a_stateful_map_style_dataset_with_workers_resumes_as_torchdatas(
+    method, persistent, taken
+):
+    """Each worker copy's state is saved after the last of its batches received, also where the
+    workers read ahead, and restored into the resumed loader's copies (8: between epochs)."""
+
+    def resume(cls: Any) -> list[list[list[int]]]:
+        saving = _augmenting(cls, method, persistent)
+        iterator = iter(saving)
+        head = [next(iterator).tolist() for _ in range(taken)]
+        if taken == 8:
+            head += epoch(iterator)
+        state = saving.state_dict()
+        del iterator
+        resumed = _augmenting(cls, method, persistent)
+        resumed.load_state_dict(elsewhere(state))
+        return [head, epoch(resumed), epoch(resumed)]
+
+    uninterrupted = _augmenting(DataLoader, method, persistent)
+    first, second, third = epoch(uninterrupted), epoch(uninterrupted), epoch(uninterrupted)
+    want = [first, second, third] if taken == 8 else [first[:taken], first[taken:], second]
+    assert resume(DataLoader) == resume(StatefulDataLoader) == want
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_a_stateful_map_style_dataset_in_completion_order_resumes_its_multiset(method):
+    """In completion order each copy still reads its batches in turn: the rest of the pass is
+    the uninterrupted rest, as a multiset."""
+    uninterrupted = sorted(epoch(_augmenting(DataLoader, method, False, in_order=False)))
+    saving = _augmenting(DataLoader, method, False, in_order=False)
+    iterator = iter(saving)
+    head = [next(iterator).tolist() for _ in range(3)]
+    state = saving.state_dict()
+    del iterator
+    resumed = _augmenting(DataLoader, method, False, in_order=False)
+    resumed.load_state_dict(elsewhere(state))
+    assert sorted(head + epoch(resumed)) == uninterrupted
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_persistent_copies_go_on_from_the_last_batches_received_after_a_break(method):
+    """A pass given up after 3 of 8 batches: each persistent copy goes on from its state after
+    the last of its batches received (copy 0 read batches 0 and 2, copy 1 batch 1), whatever
+    the workers read ahead."""
+    loader = _augmenting(DataLoader, method, persistent=True)
+    abandon(loader, 3)
+    copies = [random.Random(2), random.Random(2)]
+    for _ in range(4):  # two batches of two items on copy 0
+        copies[0].randrange(1000)
+    for _ in range(2):  # one on copy 1
+        copies[1].randrange(1000)
+    want = [
+        [index * 1000 + copies[batch % 2].randrange(1000) for index in (2 * batch, 2 * batch + 1)]
+        for batch in range(8)
+    ]
+    assert epoch(loader) == want
+
+
+def test_worker_copies_need_as_many_workers():
+    saving = _augmenting(DataLoader, "thread", False)
+    next(iter(saving))
+    state = saving.state_dict()
+    other = DataLoader(WorkerAugmenting(), batch_size=2, num_workers=3)
+    with pytest.raises(ValueError, match=r"2 worker copies of the dataset.*num_workers=3"):
+        other.load_state_dict(state)
+
+
 def test_a_dataset_state_needs_a_dataset_that_loads_it():
     saving = DataLoader(Augmenting(), batch_size=2)
     epoch(saving)

@@ -47,6 +47,7 @@ from .compat import (
     pin_memory,
     profiler_enabled,
 )
+from .copies import CopyTask, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
 from .hooks import Hooks, resolve_hooks
 from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
@@ -67,6 +68,7 @@ from .sampling import (
 from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
+from .stream_state import is_stateful
 from .switch import Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
@@ -302,6 +304,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             decided=self._auto.decision,
             pin_memory=iterator._pin_memory,
             samples_per_batch=max(1, batch_size or 1),
+            stateful=is_stateful(self.dataset),
         )
 
     def cache_stats(self) -> CacheStats | None:
@@ -489,7 +492,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
         plan = self._plan = loader._plan(self)
-        self._stream_passes = resume.StreamPasses()  # for an IterableDataset's workers
+        self._current = resume.CurrentPass()  # for what the pipeline calls every pass
         self._begin_pass(loader, resumed)
         self._hooks = plan.hooks
         self._streams = WorkerStreams(
@@ -508,6 +511,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
         self._stall_warning = loader.stall_warning
         self._pool: ProcessPool | None = None
+        self._turns: Turns | None = None  # a dataset with state: its copies' turns (copies.py)
         # the tasks of a pass, from the indices the sampler gives: set with the pipeline
         self._make_source: Callable[[Iterable[Any]], Iterator[Any]] = fetch_tasks
         self._pipeline: Pipeline[Any] | None = None
@@ -598,9 +602,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         )
         if iterable:
             streams = WorkerSource(
-                self._iterable_worker()
-                if pool is None
-                else self._stream_passes.batches(pool.batches),
+                self._iterable_worker() if pool is None else self._current.batches(pool.batches),
                 self._num_workers,
                 max_in_flight=plan.in_flight,
                 name="fetch",
@@ -610,16 +612,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         hooks = self._hooks
         source: SharedSource
         if hooks is None:
-            self._make_source = fetch_tasks
-            fetch, start = self._cpu_stage(
-                loader,
-                batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
-                if pool is None
-                else pool.fetch,
-                start,
-                "fetch",
-                tasks_per_batch=1,
-            )
+            fetch, start = self._fetch_stage(loader, pool, start)
             stages: list[Stage | Stream] = [
                 Stage(
                     "fetch",
@@ -642,7 +635,41 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         pipeline = self._pipeline_of(source, stages + self._transfer_stage(), pool)
         if self._switch is not None:
             pipeline.on_stop(self._switch.close)
+        if self._turns is not None:
+            pipeline.on_stop(self._turns.stop)
         return pipeline
+
+    def _fetch_stage(
+        self, loader: DataLoader, pool: ProcessPool | None, start: Callable[[int], None]
+    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
+        """The ``fetch`` stage's function and ``on_start``, and the source's tasks for it."""
+        if self._plan.copies:
+            return self._on_copies(pool), start
+        self._make_source = fetch_tasks
+        return self._cpu_stage(
+            loader,
+            batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+            if pool is None
+            else pool.fetch,
+            start,
+            "fetch",
+            tasks_per_batch=1,
+        )
+
+    def _on_copies(self, pool: ProcessPool | None) -> Callable[[CopyTask], Any]:
+        """The fetch stage over one copy of a dataset with state per worker, batch ``i`` on copy
+        ``i % num_workers`` (:mod:`torch_spdl.copies`), in worker threads or processes; the
+        pass's source numbers the tasks so (:func:`~torch_spdl.copies.copy_tasks`)."""
+        turns = self._turns = Turns(self._num_workers)
+        if pool is not None:
+            run = pool.fetch_on
+        else:
+            auto, finish, budget = self._auto_collation, self._finish, self._budget
+            fetcher = lambda dataset: batch_fetcher(dataset, auto, finish, budget)  # noqa: E731
+            run = ThreadCopies(self._dataset, self._num_workers, fetcher).run
+
+        self._make_source = self._current.copy_tasks(turns)
+        return on_copies(run, turns)
 
     def _pipeline_of(
         self,
@@ -787,7 +814,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             batches = lambda stream: IterableBatches(  # noqa: E731
                 stream, auto, finish, drop_last, batch_size
             )
-        return self._stream_passes.streams(streams.stream, batches)
+        return self._current.streams(streams.stream, batches)
 
     # -- iteration --------------------------------------------------------------------------------
     def _next_index(self) -> Any:
@@ -955,7 +982,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._inline_at = 0
         self._settle()  # the pass before, if it was given up, before the new one draws
         super()._reset(loader, first_iter)
-        self._begin_pass(loader, loader._take_continuation())
+        self._begin_pass(loader, loader._take_continuation(), self._pass)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed:  # close() was called: start the threads again
@@ -966,21 +993,31 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         else:
             self._pipeline.restart(self._make_source(self._sampler_iter))
 
-    def _begin_pass(self, loader: DataLoader, continuation: resume.Continuation | None) -> None:
+    def _begin_pass(
+        self,
+        loader: DataLoader,
+        continuation: resume.Continuation | None,
+        previous: resume.PassRecord | None = None,
+    ) -> None:
         """Record the pass that starts now; however it ends, its sampler is settled
-        (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed."""
+        (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed. The
+        worker copies of a dataset with state go on from where the ``previous`` pass (of
+        persistent workers) left them."""
+        copies = self._num_workers if self._plan.copies else 0
         start = resume.start_pass(
             loader,
             continuation,
             int(self._base_seed),
             self._sampler_iter,
             prime=not self._plan.inline,
+            copies=copies,
+            carried=previous.copy_states() if copies and previous is not None else None,
         )
         self._base_seed, self._sampler_iter = start.base_seed, start.index_stream
         self._num_yielded = start.yielded
         self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
-        self._stream_passes.record = self._pass
+        self._current.record = self._pass
 
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""

@@ -12,7 +12,9 @@ by :meth:`torch_spdl.DataLoader.stats`.
 Shapes (what flows through the stages):
 
 - ``"batches"``: a map-style dataset without hooks; one task per batch, the ``fetch`` stage calls
-  ``__getitem__`` (or ``__getitems__``) and ``collate_fn``, as a torch worker does.
+  ``__getitem__`` (or ``__getitems__``) and ``collate_fn``, as a torch worker does. A dataset with
+  state of its own (``state_dict``/``load_state_dict``) is read from one copy per worker, batch
+  ``i`` on copy ``i % num_workers``, as torch's workers read it (:mod:`torch_spdl.copies`).
 - ``"samples"``: a map-style dataset with ``load``/``preprocess`` hooks; one task per sample
   through ``load`` (I/O threads or an event loop), ``preprocess`` (the CPU stage) and ``collate``.
 - ``"streams"``: an IterableDataset; each worker iterates its own copy and batches it.
@@ -52,6 +54,7 @@ class Plan:
     pins: bool  # the stage that finishes a batch pins it
     transfer: bool  # a transfer stage (one thread, its own stream) copies batches to the device
     decision: Decision | None  # what "auto" decided before (or for streams, that they stay)
+    copies: bool = False  # a map-style dataset with state: batch i on worker i % W's copy
 
     @property
     def inline(self) -> bool:
@@ -83,6 +86,8 @@ class Plan:
             parts.append(f"failing samples left out in {self.skips_failures}")
         if self.pins:
             parts.append("pinned")
+        if self.copies:
+            parts.append(f"batch i on worker i % {self.workers}'s copy of the dataset")
         return "; ".join(parts)
 
 
@@ -99,24 +104,23 @@ def make_plan(
     decided: Decision | None,
     pin_memory: bool,
     samples_per_batch: int,
+    stateful: bool = False,
 ) -> Plan:
     """The plan of the next pass. ``decided``: what ``"auto"`` concluded in an earlier pass (it
     applies only while the loader still has workers and ``worker_method="auto"``);
     ``pin_memory``: whether torch's iterator would pin (``pin_memory=True`` with an
-    accelerator)."""
+    accelerator); ``stateful``: the dataset has ``state_dict``/``load_state_dict``."""
     may_switch = num_workers > 0 and options.worker_method == AUTO
     decided = decided if may_switch else None
-    executor = _executor(options, num_workers, persistent, iterable, decided)
+    copies = stateful and not iterable and hooks is None and num_workers > 0
+    executor = _executor(options, num_workers, persistent, iterable or copies, decided)
     hooks = _hooks_run(hooks, executor == PROCESS or may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
+    copies = copies and executor != INLINE
     transfer = options.device is not None
     io_batches = -(-options.io_workers // samples_per_batch)  # to keep every I/O worker busy
-    if iterable and may_switch and executor == THREAD:
-        decided = Decision(
-            THREAD,
-            "an IterableDataset's streams stay where they start; "
-            "worker_method='process' runs GIL-bound streams in processes",
-        )
+    if (iterable or copies) and may_switch and executor == THREAD:
+        decided = Decision(THREAD, _STAY[iterable])
     return Plan(
         shape=shape,
         executor=executor,
@@ -131,7 +135,16 @@ def make_plan(
         pins=pin_memory or (transfer and _on_cuda(options)),
         transfer=transfer,
         decision=decided,
+        copies=copies,
     )
+
+
+_STAY = {  # why "auto" leaves a stage on threads from the start: an IterableDataset, or not
+    True: "an IterableDataset's streams stay where they start; "
+    "worker_method='process' runs GIL-bound streams in processes",
+    False: "a dataset with state of its own stays on its workers' copies; "
+    "worker_method='process' runs a GIL-bound one in processes",
+}
 
 
 def _skips_failures(options: Options, shape: str, executor: str) -> str | None:
@@ -147,18 +160,19 @@ def _executor(
     options: Options,
     num_workers: int,
     persistent: bool,
-    iterable: bool,
+    stays: bool,
     decided: Decision | None,
 ) -> str:
     """Where the CPU stage runs. An inline decision of ``"auto"`` does not apply to persistent
-    workers, which outlive the pass; an IterableDataset's streams stay where they start."""
+    workers, which outlive the pass; ``stays``: the stage stays where it starts (an
+    IterableDataset's streams, a stateful dataset's copies)."""
     if num_workers == 0:
         return INLINE
     if decided is not None and decided.executor == INLINE and not persistent:
         return INLINE
     if options.processes or (decided is not None and decided.executor == PROCESS):
         return PROCESS
-    if options.worker_method == AUTO and not iterable:
+    if options.worker_method == AUTO and not stays:
         return AUTO
     return THREAD
 

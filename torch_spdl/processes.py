@@ -67,6 +67,7 @@ from .compat import (
     set_thread_name,
     set_worker_signal_handlers,
 )
+from .copies import CopyTask
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import where
 from .sampling import WorkerStreams
@@ -174,12 +175,19 @@ class FetchJob:
     dataset: Any
     auto_collation: bool
     collate_fn: Callable[[Any], Any]
+    records: bool = False  # a dataset with state of its own: its state goes with each batch
 
     def info_dataset(self, worker: int) -> Any:
         return self.dataset
 
     def reset(self, worker: int, request: Any = None) -> Reply:
-        return READY, None
+        """``request``: the state this worker's copy begins a pass from (see
+        :mod:`torch_spdl.copies`), or None."""
+        if request is None:
+            return READY, None
+        load = lambda: self.dataset.load_state_dict(request)  # noqa: E731
+        status, payload = attempt(load, self.stage, worker, lambda: "load_state_dict")
+        return (READY, None) if status == OK else (status, payload)
 
     @functools.cached_property
     def _fetch(self) -> Callable[[FetchTask], Any]:
@@ -188,7 +196,13 @@ class FetchJob:
 
     def run(self, index: Any, worker: int) -> Reply:
         task = FetchTask(index)
-        return attempt(lambda: self._fetch(task), self.stage, worker, task.describe)
+        status, payload = attempt(lambda: self._fetch(task), self.stage, worker, task.describe)
+        if self.records:  # a batch that raised moved the state too
+            saved, state = attempt(self.dataset.state_dict, self.stage, worker, lambda: None)
+            if saved == ERROR:
+                return saved, state
+            payload = WithState(payload, state)
+        return status, payload
 
 
 @dataclass
@@ -724,8 +738,9 @@ class ProcessPool:
         self._local.worker = new
         return new
 
-    def _exchange(self, request: tuple[str, Any]) -> Reply:
-        worker = self._current()
+    def _exchange(self, request: tuple[str, Any], worker: _Worker | None = None) -> Reply:
+        """One request to ``worker`` (this thread's process if None) and its reply."""
+        worker = worker or self._current()
         with worker.lock:
             self._check_open()
             try:
@@ -760,6 +775,30 @@ class ProcessPool:
         """The ``fetch`` stage: the worker reads and collates the batch; pinned here."""
         task.current = task.index  # what an error here (a dead worker) is about
         status, payload = self._exchange((RUN, task.index))
+        if status == ERROR:
+            return Failure(payload, task, "fetch")
+        return self._pin(payload)
+
+    def fetch_on(self, task: CopyTask, keep: Callable[[Any], None]) -> Any:
+        """The ``fetch`` stage for a dataset with state of its own: process ``task.copy`` reads
+        the batch on its copy (:mod:`torch_spdl.copies`), after loading the state the copy
+        begins the pass from, and sends its state with the batch, for ``keep``. A process that
+        died took its copy's state with it: it is not replaced."""
+        worker = self._processes.workers[task.copy]
+        if worker.dead:
+            raise RuntimeError(
+                f"DataLoader worker process {worker.id} died earlier, and its copy of the "
+                "dataset, whose state this batch needs, with it"
+            )
+        task.current = task.index  # what an error here (a dead worker) is about
+        if task.start is not None:
+            status, payload = self._exchange((RESET, task.start), worker)
+            if status == ERROR:
+                return Failure(payload, task, "fetch")
+        status, payload = self._exchange((RUN, task.index), worker)
+        if isinstance(payload, WithState):
+            keep(payload.state)
+            payload = payload.batch
         if status == ERROR:
             return Failure(payload, task, "fetch")
         return self._pin(payload)
@@ -817,7 +856,7 @@ def process_pool(iterator: Any, loader: Any) -> PoolStarter:
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
     elif iterator._hooks is None:
-        job = FetchJob(loader.dataset, auto, collate)
+        job = FetchJob(loader.dataset, auto, collate, records=iterator._plan.copies)
     else:
         job = PreprocessJob(iterator._hooks.preprocess, loader.dataset)
     return PoolStarter(

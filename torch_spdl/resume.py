@@ -61,6 +61,7 @@ from torch.utils.data import (
 )
 
 from .compat import is_iterable, random_sampler_num_samples
+from .copies import CopyTask, Turns, copy_tasks
 from .failures import SKIPPED
 from .sampling import AutoEpochSampler
 from .stream_state import is_stateful, recorded_stream, start_of
@@ -237,6 +238,9 @@ class Continuation:
     # left of its global order (indices), and that order's description (see global_order).
     rest: tuple[Any, ...] | None = None
     order: dict[str, Any] | None = None
+    # A map-style dataset with state of its own read from one copy per worker: the state each
+    # copy begins the pass from (None: a fresh copy of the loader's dataset), see copies.py.
+    worker_datasets: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -314,6 +318,8 @@ class PassRecord:
         window: int = 0,
         snapshot_every: int = 1,
         workers: int = 1,
+        copies: int = 0,
+        carried: list[Any] | None = None,
     ) -> None:
         self.base_seed = base_seed
         self.window = window  # batches torch's loader reads ahead of the consumer: see settle()
@@ -336,6 +342,13 @@ class PassRecord:
         self.streams_done = [received.copy() for received in before]
         self.restored = (c.stream_states if c else None) or (None,) * len(before)
         self._stream_snapshots = [Snapshots() for _ in before]
+        # A map-style dataset read from ``copies`` worker copies (copies.py): the state each
+        # begins the pass from (resumed, or ``carried`` over by persistent workers), then after
+        # the last of its batches the user received; and the states after batches in flight.
+        starts = c.worker_datasets if c and c.worker_datasets is not None else carried
+        self.copies = copies
+        self.worker_datasets = list(starts) if starts is not None else [None] * copies
+        self._copy_records: dict[int, tuple[int, Any]] = {}
         self._skip_later = sorted(self.skip.later)
         self._taken = 0
         self._stateful: Any = None
@@ -456,12 +469,28 @@ class PassRecord:
             with self._lock:
                 self._stream_snapshots[worker].prune(done.prefix)
             return
-        self.done.add(self._number(position))
+        self.done.add(self.number_of(position))
         if self._stateful is not None:
             with self._lock:
                 self._snapshots.prune(self.done.prefix)
+        if self.copies:
+            with self._lock:  # a copy's batches reach the user in the order it read them
+                found = self._copy_records.pop(position, None)
+                if found is not None:
+                    self.worker_datasets[found[0]] = found[1]
 
-    def _number(self, position: int) -> int:
+    def keep_copy(self, position: int, copy: int, state: Any) -> None:
+        """Worker copy ``copy``'s dataset state after the batch at ``position`` of the pass."""
+        with self._lock:
+            self._copy_records[position] = (copy, state)
+
+    def copy_states(self) -> list[Any]:
+        """The state each worker copy goes on from: after the last of its batches the user
+        received (a persistent worker's next pass begins there, whatever it read ahead)."""
+        with self._lock:
+            return list(self.worker_datasets)
+
+    def number_of(self, position: int) -> int:
         """The batch number of the ``position``-th batch the stream yields: the skipped ones
         are all below ``skip.prefix`` or in ``skip.later``."""
         number = self.skip.prefix + position
@@ -549,6 +578,7 @@ class PassRecord:
             "yielded": self.done.state(),
             "sampler_state": sampler_state,
             "global": self.order,
+            "worker_datasets": copy.deepcopy(self.copy_states()) if self.copies else None,
         }
 
 
@@ -590,12 +620,25 @@ class SkipReceived:
         return SKIPPED if number in self._received else batch
 
 
-class StreamPasses:
-    """The current pass of an iterator over an IterableDataset, for its workers' function: the
-    function holds this, not the iterator (a persistent pipeline calls it again every pass)."""
+class CurrentPass:
+    """The current pass of an iterator, for what its pipeline calls every pass (an
+    IterableDataset's workers' function, the source of tasks on worker copies): that holds
+    this, not the iterator, so dropping the iterator stops its threads at once."""
 
     def __init__(self) -> None:
         self.record: PassRecord | None = None
+
+    def copy_tasks(self, turns: Turns) -> Callable[[Iterable[Any]], Iterator[CopyTask]]:
+        """The tasks of a pass over worker copies of a dataset with state (copies.py):
+        numbered by the pass's record, each copy beginning where the record says."""
+
+        def tasks(indices: Iterable[Any]) -> Iterator[CopyTask]:
+            record = self.record
+            assert record is not None  # set before any pass runs
+            starts = record.copy_states()
+            return copy_tasks(indices, record.number_of, starts, turns, record.keep_copy)
+
+        return tasks
 
     def streams(
         self, dataset_of: Callable[[int], Any], batches_of: Callable[[Any], Iterable[Any]]
@@ -667,12 +710,16 @@ def start_pass(
     drawn_base_seed: int,
     index_stream: Iterator[Any],
     prime: bool,
+    copies: int = 0,
+    carried: list[Any] | None = None,
 ) -> PassStart:
     """Begin recording a pass of ``loader`` (after torch's setup made ``index_stream`` from the
     loader's index sampler and drew ``drawn_base_seed``), continuing ``continuation`` if given.
 
     ``prime`` starts a replayed sampler now, in the calling thread, as torch's worker iterator
-    does when it prefetches: its seed draw never races the user's own draws.
+    does when it prefetches: its seed draw never races the user's own draws. ``copies``: the
+    worker copies of a dataset with state (copies.py), which begin where ``carried`` says
+    unless the continuation says otherwise.
     """
     base_seed = drawn_base_seed
     if continuation is not None:
@@ -688,6 +735,8 @@ def start_pass(
         window=loader.num_workers * (loader.prefetch_factor or 0),
         snapshot_every=loader.snapshot_every_n_steps,
         workers=max(loader.num_workers, 1),
+        copies=copies,
+        carried=carried,
     )
     warn_fast_forward(loader.dataset, record)
     if record.order is None:
@@ -861,6 +910,8 @@ def loader_state(loader: Any) -> Pending:
     following = next_pass(loader, base_seed if _reuses_iterator(loader) else None)
     if record is not None and not record.tracked and _reuses_iterator(loader):
         following = _with_stream_datasets(following, record.ended_streams())
+    if record is not None and record.copies and _reuses_iterator(loader):
+        following = dataclasses.replace(following, worker_datasets=tuple(record.copy_states()))
     state["between"] = {
         "generator": generator_state(loader.generator),
         "epoch": epoch_state(loader._own_samplers[0]),
@@ -871,6 +922,7 @@ def loader_state(loader: Any) -> Pending:
         "stream_datasets": None
         if following.stream_states is None
         else list(following.stream_states),
+        "worker_datasets": copy.deepcopy(following.worker_datasets),
     }
     return Pending(state, following)
 
@@ -1040,7 +1092,23 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
         sampler_rng=None if rng is None else (rng[0], rng[1]),
         done=done,
         start=0 if target is None else int(saved["sampler_state"]["at"]),
+        worker_datasets=_worker_datasets(loader, saved, "was taken in the middle of a pass"),
     )
+
+
+def _worker_datasets(loader: Any, saved: dict[str, Any], what: str) -> tuple[Any, ...] | None:
+    """The states of the worker copies of a dataset with state (copies.py) a state holds; a
+    loader that reads them must have as many workers."""
+    states = saved.get("worker_datasets")
+    if states is None:
+        return None
+    if loader.num_workers != len(states):
+        raise ValueError(
+            f"this DataLoader state {what} with {len(states)} worker copies of the dataset, "
+            f"each with its own state; this loader has num_workers={loader.num_workers}: "
+            f"build the loader with num_workers={len(states)}"
+        )
+    return tuple(states)
 
 
 def _continue_streams(loader: Any, saved: dict[str, Any]) -> Continuation:
@@ -1094,6 +1162,8 @@ def _between_passes(loader: Any, saved: dict[str, Any]) -> Continuation | None:
             draws_base_seed=bool(following["draws_base_seed"]),
             draws_sampler_seed=True,
         )
+        copies = _worker_datasets(loader, saved, "holds the datasets of persistent workers")
+        continuation = dataclasses.replace(continuation, worker_datasets=copies)
         ends = saved.get("stream_datasets")
         if ends is None:
             return continuation
