@@ -532,9 +532,7 @@ def test_a_stateful_map_style_dataset_with_workers_reads_as_torchs(method, persi
 @pytest.mark.parametrize("taken", [1, 3, 5, 8])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 @pytest.mark.parametrize("method", ["thread", "process"])
-def test_a_stateful_map_style_dataset_with_workers_resumes_as_torchdatas(
-    method, persistent, taken
-):
+def test_a_stateful_map_style_dataset_with_workers_resumes_as_torchdatas(method, persistent, taken):
     """Each worker copy's state is saved after the last of its batches received, also where the
     workers read ahead, and restored into the resumed loader's copies (8: between epochs)."""
 
@@ -665,6 +663,30 @@ def test_a_torchdata_checkpoint_between_epochs_starts_a_new_epoch():
     assert sorted(sum(epoch(ours), [])) == DATA
 
 
+@pytest.mark.parametrize("taken", [1, 3, 8])
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_a_torchdata_checkpoint_restores_each_workers_dataset(method, persistent, taken):
+    """torchdata's workers read batch i on worker i % 2's copy, as ours do: each worker's
+    dataset state goes into the copy of the same worker (8: between epochs, where only
+    persistent workers go on from theirs)."""
+    uninterrupted = _augmenting(StatefulDataLoader, method, persistent)
+    want = [epoch(uninterrupted), epoch(uninterrupted)]
+    theirs = _augmenting(StatefulDataLoader, method, persistent)
+    iterator = iter(theirs)
+    head = [next(iterator).tolist() for _ in range(taken)]
+    if taken == 8:
+        head += epoch(iterator)
+    state = elsewhere(theirs.state_dict())
+    del iterator
+    ours = _augmenting(DataLoader, method, persistent)
+    ours.load_state_dict(state)
+    if taken < 8:
+        assert head + epoch(ours) == want[0]
+    else:
+        assert epoch(ours) == want[1]
+
+
 def _torchdata_state(dataset: Any, **options: Any) -> dict:
     theirs = StatefulDataLoader(dataset, batch_size=2, **options)
     iterator = iter(theirs)
@@ -686,9 +708,14 @@ def _torchdata_state(dataset: Any, **options: Any) -> dict:
             "shuffle does not match",
         ),
         (
-            lambda: _torchdata_state(Augmenting(), num_workers=2),
-            lambda: DataLoader(Augmenting(), batch_size=2, num_workers=2),
-            "per-worker dataset states",
+            lambda: _torchdata_state(WorkerAugmenting(), num_workers=2, snapshot_every_n_steps=2),
+            lambda: DataLoader(WorkerAugmenting(), batch_size=2, num_workers=2),
+            r"dataset states were recorded 1 batch\(es\) before it",
+        ),
+        (
+            lambda: _torchdata_state(WorkerAugmenting(), num_workers=2),
+            lambda: DataLoader(WorkerAugmenting(), batch_size=2, num_workers=3),
+            r"2 workers' copies, and this loader has num_workers=3",
         ),
         (
             lambda: _torchdata_state(DATA, sampler=tud.RandomSampler(DATA)),
@@ -696,7 +723,7 @@ def _torchdata_state(dataset: Any, **options: Any) -> dict:
             "shuffle does not match",
         ),
     ],
-    ids=["iterable", "shuffle", "worker_dataset_states", "users_sampler"],
+    ids=["iterable", "shuffle", "worker_states_before", "worker_count", "users_sampler"],
 )
 def test_a_torchdata_checkpoint_that_does_not_map_is_refused(state_of, ours, match):
     with pytest.raises(ValueError, match=rf"torchdata StatefulDataLoader state.*{match}"):

@@ -918,7 +918,7 @@ def loader_state(loader: Any) -> Pending:
         "base_seed": base_seed,
         "sampler_state": None if target is None else copy.deepcopy(target.state_dict()),
         "sampler_generators": [generator_state(g) for g in sampler_generators(loader)],
-        "next_pass": _pass_seeds(following),
+        "next_pass": pass_seeds(following),
         "stream_datasets": None
         if following.stream_states is None
         else list(following.stream_states),
@@ -1014,7 +1014,8 @@ def replayed_sampler(index_sampler: Any) -> Any:
     return inner if _replayable(inner) else None
 
 
-def _pass_seeds(continuation: Continuation) -> dict[str, Any]:
+def pass_seeds(continuation: Continuation) -> dict[str, Any]:
+    """The next pass's seeds, as a state between passes holds them (its ``next_pass``)."""
     rng = continuation.sampler_rng
     return {
         "base_seed": continuation.base_seed,

@@ -7,10 +7,17 @@ Its shuffle is ``torch.randperm`` over that generator, as torch's ``RandomSample
 so the rest of that epoch is exactly torchdata's; the epochs after are this loader's (torch's
 RandomSampler advances its generator otherwise than torchdata's does between epochs).
 
+A dataset with state of its own is read by torchdata's workers as by this loader's (batch ``i``
+on worker ``i % num_workers``'s copy, :mod:`torch_spdl.copies`): each worker's dataset state is
+restored into the copy of the same worker, in the middle of a pass, and between passes where the
+workers persist (fresh workers copy the loader's dataset anew, as torchdata's do).
+
 What does not map is refused with a ValueError that says what: an IterableDataset's fetcher
-or per-worker states, a sampler with a state of its own, per-worker dataset states, or a loader
-here that does not shuffle as the checkpoint's did. Nothing is checked against the loader that
-wrote it beyond that (torchdata's state has no configuration): build the loader as it was.
+or per-worker states, a sampler with a state of its own, per-worker dataset states recorded
+batches before the state (``snapshot_every_n_steps`` > 1: torchdata reads those batches again
+on its workers), or a loader here that does not shuffle as the checkpoint's did. Nothing is
+checked against the loader that wrote it beyond that (torchdata's state has no configuration):
+build the loader as it was.
 """
 
 from __future__ import annotations
@@ -42,21 +49,30 @@ def _refuse(what: str) -> ValueError:
     )
 
 
-def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, list[Any]]:
-    """The main process's snapshot, the batches received, and the dataset states it holds."""
+def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, Any, list[Any] | None]:
+    """The main process's snapshot, the batches received, the loader's dataset state, and each
+    worker's copy's (None: no worker holds one)."""
     if _SNAPSHOT not in state:
-        dataset_states = [state.get("dataset_state")]
         if state.get("fetcher_state") is not None:
             raise _refuse("it holds an IterableDataset's fetcher state")
-        return state, int(state[_SINGLE]), dataset_states
+        return state, int(state[_SINGLE]), state.get("dataset_state"), None
     snapshot = state[_SNAPSHOT]
-    received = int(snapshot["_snapshot_step"]) + int(state["_steps_since_snapshot"])
-    workers = snapshot.get("_worker_snapshots", {}).values()
+    since = int(state["_steps_since_snapshot"])
+    received = int(snapshot["_snapshot_step"]) + since
+    workers = sorted(
+        snapshot.get("_worker_snapshots", {}).values(), key=lambda worker: worker["worker_id"]
+    )
     if any(worker.get("fetcher_state") is not None for worker in workers):
         raise _refuse("it holds an IterableDataset's per-worker fetcher states")
-    if any(worker.get("dataset_state") is not None for worker in workers):
-        raise _refuse("it holds per-worker dataset states (each worker's copy of the dataset)")
-    return snapshot["_main_snapshot"], received, []
+    copies = [worker.get("dataset_state") for worker in workers]
+    if all(copy is None for copy in copies):
+        return snapshot["_main_snapshot"], received, None, None
+    if since and not state["_iterator_finished"]:
+        raise _refuse(
+            f"its workers' dataset states were recorded {since} batch(es) before it "
+            "(snapshot_every_n_steps > 1); save it with snapshot_every_n_steps=1"
+        )
+    return snapshot["_main_snapshot"], received, None, copies
 
 
 def _sampler_rng(loader: Any, main: dict[str, Any]) -> tuple[str, bytes] | None:
@@ -84,9 +100,13 @@ def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (torchdata's) as a state of ``loader`` (see the module docstring)."""
     if is_iterable(loader.dataset):
         raise _refuse("this loader's dataset is an IterableDataset")
-    main, received, dataset_states = _parts(state)
+    main, received, dataset_state, copies = _parts(state)
+    if copies is not None and len(copies) != loader.num_workers:
+        raise _refuse(
+            f"it holds the dataset states of {len(copies)} workers' copies, and this loader "
+            f"has num_workers={loader.num_workers} (build it with num_workers={len(copies)})"
+        )
     rng = _sampler_rng(loader, main)
-    dataset_state = dataset_states[0] if dataset_states else None
     ours: dict[str, Any] = {
         "version": resume.STATE_VERSION,
         "config": resume.describe(loader),
@@ -102,6 +122,9 @@ def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
             "base_seed": None,
             "sampler_state": None,
         }
+        if copies is not None and loader.persistent_workers:  # its workers go on from them
+            ours["between"]["next_pass"] = resume.pass_seeds(resume.next_pass(loader, None))
+            ours["between"]["worker_datasets"] = copies
         return ours
     ours["pass"] = {
         "base_seed": int(main.get("_base_seed") or main.get("_shared_seed") or 0),
@@ -111,5 +134,6 @@ def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
         "yielded": {"prefix": received, "later": []},
         "sampler_state": None,
         "global": None,
+        "worker_datasets": copies,
     }
     return ours
