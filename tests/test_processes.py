@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
 
-from torch_spdl import DataLoader, StagedDataset, processes
+from torch_spdl import DataLoader, StagedDataset, compat, processes
 
 N = 23  # prime: no batch size divides it
 EPOCHS = 2
@@ -547,6 +547,109 @@ def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, cho
     context = processes.start_context(None)
     assert context.get_start_method() == ("forkserver" if chosen in (None, "fork") else chosen)
     assert processes.start_context(CONTEXT) is CONTEXT
+
+
+def _report_modules(conn, names):
+    """In a worker process: which of ``names`` it started with (its server preloaded them)."""
+    conn.send([name for name in names if name in sys.modules])
+    conn.close()
+
+
+def started_with(context, names):
+    """Which of ``names`` a process started from ``context`` has, and its exit code."""
+    ours_end, theirs = context.Pipe(duplex=False)
+    child = context.Process(target=_report_modules, args=(theirs, names))
+    child.start()
+    theirs.close()
+    with ours_end:
+        got = ours_end.recv()
+    child.join()
+    return got, child.exitcode
+
+
+UNUSED = ["wave", "tabnanny", "pyclbr"]  # imported by nothing the tests import
+
+
+def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idle():
+    """A running server keeps what it preloaded; non-persistent workers of a pool needing other
+    modules would import them at every pass, so an idle server starts again with both lists."""
+    assert not set(UNUSED) & set(sys.modules), "pick modules that nothing here imports"
+    first = processes.start_context(None, UNUSED[:1])
+    assert started_with(first, UNUSED) == (UNUSED[:1], 0)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    again = processes.start_context(None, UNUSED[:1])  # what it has: the same server
+    assert started_with(again, UNUSED) == (UNUSED[:1], 0)
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+    second = processes.start_context(None, UNUSED[1:2])
+    assert started_with(second, UNUSED) == (UNUSED[:2], 0)
+    assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    processes.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+
+
+def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
+    context = processes.start_context(None)
+    release = context.Event()
+    child = context.Process(target=release.wait)
+    child.start()
+    try:
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        processes.start_context(None, UNUSED[2:])
+        assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+        assert child.is_alive()
+    finally:
+        release.set()
+        child.join()
+    assert child.exitcode == 0  # a stopped server's child would read as 255
+
+
+def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
+    """A worker the server has forked is no child yet until start() returns (multiprocessing
+    lists it then). A restart for another loader's modules, in another thread, must not stop the
+    server then: a stopped server exits once its last child does, without saying how it ended,
+    so that child reads exit code 255. Our starts hold the lock the restart takes."""
+    context = processes.start_context(None)
+    forked, go = threading.Event(), threading.Event()
+    read_signed = multiprocessing.forkserver.read_signed
+
+    def held_read(fd):  # the worker's start, held once the server has forked it
+        if not forked.is_set():  # its pid; later reads are exit codes
+            forked.set()
+            go.wait(10)
+        return read_signed(fd)
+
+    monkeypatch.setattr(multiprocessing.forkserver, "read_signed", held_read)
+    started = []
+    job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
+    starting = threading.Thread(
+        target=lambda: started.append(processes._start_process(context, job, 0, 1, 0, None))
+    )
+    starting.start()
+    assert forked.wait(10)
+    restart = threading.Thread(
+        target=processes.start_context, args=(None, ["torch_spdl_tests.never.preloaded"])
+    )
+    restart.start()
+    restart.join(0.5)  # it waits for the start; a restart that did not would stop the server
+    go.set()
+    starting.join()
+    (worker,) = started
+    worker.close()  # it exits, as when its pool stops
+    worker.process.join(10)
+    restart.join(10)
+    assert worker.process.exitcode == 0
+
+
+def test_without_pythons_private_stop_the_running_server_is_kept(monkeypatch):
+    processes.start_context(None)  # running, as the tests before left it, or not yet
+    started_with(processes.start_context(None), [])
+    server = multiprocessing.forkserver._forkserver
+    monkeypatch.delattr(type(server), "_stop")
+    assert compat.stop_forkserver() is False
+    before = server._forkserver_pid
+    processes.start_context(None, ["pyclbr", "some.module.never.preloaded"])
+    assert server._forkserver_pid == before is not None
 
 
 FORKED_FROM_HERE = False

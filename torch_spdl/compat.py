@@ -12,7 +12,8 @@ forked worker processes.
 
 Private *attributes* are read here too, through functions with a fallback: the ``num_samples`` a
 ``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
-the modules the fork server preloads (:func:`forkserver_preload`).
+the modules the fork server preloads (:func:`forkserver_preload`), whether it runs and how to stop
+it (:func:`forkserver_running`, :func:`stop_forkserver`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -348,12 +349,33 @@ def random_sampler_num_samples(sampler: Any) -> int | None:
         return sampler.num_samples
 
 
+def _forkserver() -> Any:
+    """The standard library's private fork-server singleton, ``None`` where a Python has none."""
+    import multiprocessing.forkserver
+
+    return getattr(multiprocessing.forkserver, "_forkserver", None)
+
+
 def forkserver_preload() -> list[str]:
     """The modules the fork server is set to preload. The standard library sets them
     (``set_forkserver_preload``) but has no way to read them back, so this reads its private
     ``multiprocessing.forkserver._forkserver._preload_modules``; where a Python has neither name,
     the list a fork server starts with, the main module."""
-    import multiprocessing.forkserver
+    return list(getattr(_forkserver(), "_preload_modules", ["__main__"]))
 
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    return list(getattr(server, "_preload_modules", ["__main__"]))
+
+def forkserver_running() -> bool:
+    """Whether this process has started a fork server (its private ``_forkserver_pid``; False
+    where the name is gone, which leaves a running server as it is)."""
+    return getattr(_forkserver(), "_forkserver_pid", None) is not None
+
+
+def stop_forkserver() -> bool:
+    """Stop this process's fork server so that the next worker starts a new one, with the preload
+    list set now; False where the standard library has no private ``_stop`` (the method its own
+    tests use), and the running server stays."""
+    stop = getattr(_forkserver(), "_stop", None)
+    if stop is None:
+        return False
+    stop()
+    return True

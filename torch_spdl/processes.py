@@ -62,10 +62,12 @@ from .compat import (
     ExceptionWrapper,
     ManagerWatchdog,
     forkserver_preload,
+    forkserver_running,
     is_iterable,
     numpy_seed,
     set_thread_name,
     set_worker_signal_handlers,
+    stop_forkserver,
 )
 from .copies import CopyTask
 from .pipeline import Failure, Pipeline
@@ -440,7 +442,8 @@ def _start_process(
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
     try:
-        process.start()
+        with _SERVER_LOCK:  # no restart of the fork server while it forks this worker
+            process.start()
     except BaseException as error:
         for end in (ours, stacks):
             if end is not None:
@@ -489,8 +492,45 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_forkserver_preload(preload))
+    with _SERVER_LOCK:
+        wanted = _forkserver_preload(preload)
+        if forkserver_running() and _lacks(_server_preload, wanted):
+            if _forkserver_children() or not stop_forkserver():
+                return context  # it keeps what it has: its workers import the rest themselves
+            wanted = list(dict.fromkeys([*_server_preload, *wanted]))
+        if not forkserver_running():
+            context.set_forkserver_preload(wanted)
+            _server_preload[:] = wanted
     return context
+
+
+# The fork server's preload list as this module last set it before the server started. A pool
+# whose modules the running server lacks restarts it with both lists (each worker would import
+# them again at every start, non-persistent workers at every pass), but only while no process
+# of the server's runs: a stopped server's children read as dead to their parents. A worker
+# being started is no child yet (multiprocessing lists it once start() returns), so every start
+# of ours holds the lock too: a restart waits for it, then sees it.
+_SERVER_LOCK = threading.Lock()
+_server_preload: list[str] = []
+
+
+def _lacks(server: list[str], wanted: list[str]) -> bool:
+    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's own modules
+    count as there: every server imports torch (through this module), and a restart costs a
+    new server's start-up, seconds, for nothing."""
+    return any(
+        name not in server and name != "torch" and not name.startswith("torch.") for name in wanted
+    )
+
+
+def _forkserver_children() -> list[Any]:
+    """This process's live children from a fork server, ours and anyone's (torch's loader with
+    ``multiprocessing_context="forkserver"``). A child that code outside this module starts
+    between this check and the stop would be cut off; ours start under :data:`_SERVER_LOCK`."""
+    kind = getattr(multiprocessing.context, "ForkServerProcess", None)
+    if kind is None:
+        return []
+    return [child for child in multiprocessing.active_children() if isinstance(child, kind)]
 
 
 def unguarded_main() -> str | None:
