@@ -39,10 +39,10 @@ import torch
 import torch.utils.data
 from PIL import Image
 from torchvision import datasets, transforms
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 import torch_spdl
+from torch_spdl.io import decode_image
 
 NUM_CLASSES = 4
 JPEG_SUFFIXES = (".jpg", ".jpeg")
@@ -90,8 +90,8 @@ class JpegFiles(torch_spdl.StagedDataset):
         return len(self.samples)
 
     def load(self, index: int) -> tuple[bytearray, int]:
-        """Only the file read. A ``bytearray`` rather than ``bytes`` because ``torch.frombuffer``
-        wants a writable buffer (it warns about read-only ones)."""
+        """Only the file read. A ``bytearray`` rather than ``bytes``: ``decode_image`` wraps a
+        writable buffer as it is, and copies a read-only one first."""
         path, label = self.samples[index]
         with open(path, "rb") as f:
             return bytearray(f.read()), label
@@ -99,7 +99,7 @@ class JpegFiles(torch_spdl.StagedDataset):
     def preprocess(self, raw: tuple[bytearray, int]) -> tuple[torch.Tensor, int]:
         """Decode to a uint8 CHW tensor and augment it with a v2 transform, all on tensors."""
         data, label = raw
-        image = decode_jpeg(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+        image = decode_image(data, mode="RGB")  # torchvision's decoder, GIL released
         return self.transform(image), label
 
 

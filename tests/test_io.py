@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,12 +19,13 @@ from torchvision.transforms.v2 import functional as F
 
 from torch_spdl import DataLoader, StagedDataset
 from torch_spdl.io import collate_images, decode_image, decode_video, output_size, resize
+from torch_spdl.io import image as image_module
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
 
 MODES = ["RGB", "RGBA", "L", "LA"]
 
-# torchvision 0.29 deprecates its image codecs in favour of TorchCodec and says so on every call;
-# torch_spdl.io documents that, and the message would drown this file's output.
+# torchvision 0.29 deprecates its image codecs in favour of TorchCodec and says so on every call:
+# this file's references call them (torch_spdl.io calls the op under them, which does not warn).
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning"
 )
@@ -210,6 +213,37 @@ def test_decode_image_errors():
         decode_image("photo.jpg")
     with pytest.raises(ValueError, match="size must be"):
         decode_image(jpeg(8, 8), size=(0, 4))
+
+
+def test_decoding_warns_of_no_deprecation():
+    """torchvision's Python decoder warns on every call since 0.29; torch_spdl.io calls the op
+    under it, so nothing of torchvision's reaches the user."""
+    sources = [jpeg(16, 16), *png_sources().values(), encode(Image.new("RGB", (9, 7)), "WEBP")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for data in sources:
+            for mode in MODES:
+                decode_image(data, mode=mode)
+
+
+def test_without_torchvisions_op_its_python_decoder_decodes_the_same(monkeypatch):
+    """A torchvision without the registered op: its Python wrapper decodes, as before."""
+    op = image_module.torchvision_decoder()
+    with monkeypatch.context() as lacking:  # only while the decoder is chosen: the wrapper
+        lacking.setattr(torch.ops, "image", types.SimpleNamespace())  # calls the op itself
+        wrapper = image_module.torchvision_decoder()
+    calls = []
+    python_decoder = image_module._tv_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return python_decoder(*args, **kwargs)
+
+    monkeypatch.setattr(image_module, "_tv_decode", counted)
+    for data in [jpeg(16, 16), *png_sources().values()]:
+        for mode in (tvio.ImageReadMode.RGB, tvio.ImageReadMode.GRAY):
+            assert torch.equal(wrapper(tensor_of(data), mode), op(tensor_of(data), mode))
+    assert len(calls) == 2 * (1 + len(png_sources()))  # the wrapper's, not the op's
 
 
 def test_decoding_on_threads_matches_serial():

@@ -10,14 +10,16 @@ torchvision's decoders disagree on modes (JPEG has no alpha; GIF always returns 
 return grey; its PNG decoder mishandles alpha for palette and low-bit-depth images), so
 :func:`decode_image` asks each for a mode it gets right and converts the channels itself.
 
-torchvision 0.29 deprecates these decoders in favour of TorchCodec's and emits a
-``DeprecationWarning`` per call (hidden by Python's default warning filters). Every torchvision
-decode goes through :func:`_decode`, the one place to change when they are removed.
+torchvision 0.29 deprecates these decoders in favour of TorchCodec's, and its Python wrapper
+emits a ``DeprecationWarning`` on every call. The decode calls the op the wrapper calls,
+without the warning (:func:`torchvision_decoder`); every torchvision decode goes through
+:func:`_decode`, the one place to change when they are removed.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -38,6 +40,22 @@ _TV_MODES = {
     (True, False): ImageReadMode.GRAY,
     (True, True): ImageReadMode.GRAY_ALPHA,
 }
+Decoder = Callable[[torch.Tensor, ImageReadMode], torch.Tensor]
+
+
+def torchvision_decoder() -> Decoder:
+    """torchvision's image decode: the op it registers (``torch.ops.image.decode_image``, what
+    ``torchvision.io.decode_image`` calls for a tensor after its deprecation warning), so that
+    no warning of torchvision's reaches our users; where a torchvision lacks that op, its Python
+    wrapper, warning and all."""
+    try:
+        op = torch.ops.image.decode_image
+    except (AttributeError, RuntimeError):  # not registered: no such op in this torchvision
+        return lambda encoded, mode: _tv_decode(encoded, mode=mode)
+    return lambda encoded, mode: op(encoded, mode.value, False)
+
+
+_TV_DECODE = torchvision_decoder()
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,7 +140,7 @@ def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     if request is None:  # an alpha torchvision would drop: Pillow reads it
         return _decode_with_pillow(encoded, mode)
     try:
-        image = _tv_decode(encoded, mode=request)
+        image = _TV_DECODE(encoded, request)
     except RuntimeError as err:
         head = encoded[:16].numpy().tobytes()
         raise ValueError(
