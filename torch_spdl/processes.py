@@ -811,10 +811,17 @@ class ProcessPool:
         return data if self._pin_batch is None else self._pin_batch(data)
 
     # -- stage functions ------------------------------------------------------------------------
-    def fetch(self, task: FetchTask) -> Any:
-        """The ``fetch`` stage: the worker reads and collates the batch; pinned here."""
+    def fetch(
+        self,
+        task: FetchTask,
+        worker: _Worker | None = None,
+        keep: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """The ``fetch`` stage: the worker (this thread's, if None) reads and collates the batch;
+        pinned here. A state the worker sends with it goes to ``keep``."""
         task.current = task.index  # what an error here (a dead worker) is about
-        status, payload = self._exchange((RUN, task.index))
+        status, payload = self._exchange((RUN, task.index), worker)
+        payload = _kept(payload, keep)
         if status == ERROR:
             return Failure(payload, task, "fetch")
         return self._pin(payload)
@@ -830,18 +837,11 @@ class ProcessPool:
                 f"DataLoader worker process {worker.id} died earlier, and its copy of the "
                 "dataset, whose state this batch needs, with it"
             )
-        task.current = task.index  # what an error here (a dead worker) is about
         if task.start is not None:
             status, payload = self._exchange((RESET, task.start), worker)
             if status == ERROR:
                 return Failure(payload, task, "fetch")
-        status, payload = self._exchange((RUN, task.index), worker)
-        if isinstance(payload, WithState):
-            keep(payload.state)
-            payload = payload.batch
-        if status == ERROR:
-            return Failure(payload, task, "fetch")
-        return self._pin(payload)
+        return self.fetch(task, worker, keep)
 
     def preprocess(self, task: SampleTask) -> SampleTask | Failure:
         """The ``preprocess`` stage: ``task.value`` (what ``load`` returned) goes to the worker."""
@@ -875,11 +875,18 @@ class ProcessPool:
                 if payload is not None and keep is not None:
                     keep(payload)
                 return
-            if isinstance(payload, WithState):
-                if keep is not None:
-                    keep(payload.state)
-                payload = payload.batch
+            payload = _kept(payload, keep)
             yield Failure(payload) if status == ERROR else self._pin(payload)
+
+
+def _kept(payload: Any, keep: Callable[[Any], None] | None) -> Any:
+    """A worker's reply less the state it sent with it (:class:`WithState`), which goes to
+    ``keep``."""
+    if not isinstance(payload, WithState):
+        return payload
+    if keep is not None:
+        keep(payload.state)
+    return payload.batch
 
 
 def process_pool(iterator: Any, loader: Any) -> PoolStarter:
