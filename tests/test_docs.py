@@ -22,6 +22,7 @@ RUNNABLE = (
     + blocks("docs/distributed.md")
     + blocks("docs/gpu.md")
     + blocks("docs/tuning.md")
+    + blocks("docs/pipeline.md")
 )
 
 

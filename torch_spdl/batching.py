@@ -152,13 +152,17 @@ def sample_tasks(
 ) -> Iterator[tuple[int, SampleTask]]:
     """``(batch number, SampleTask)`` for every sample, batch after batch (a numbered source)."""
     for number, batch in enumerate(index_iter):
-        if not auto_collation:
-            yield number, SampleTask(batch, 0, 1, batch)
-        elif len(batch) == 0:
-            yield number, SampleTask(None, 0, 0, batch)
-        else:
-            for position, index in enumerate(batch):
-                yield number, SampleTask(index, position, len(batch), batch)
+        for task in batch_tasks(batch, auto_collation):
+            yield number, task
+
+
+def batch_tasks(batch: Any, auto_collation: bool) -> list[SampleTask]:
+    """The tasks of one batch: one per sample, or one without a sample for an empty batch."""
+    if not auto_collation:
+        return [SampleTask(batch, 0, 1, batch)]
+    if len(batch) == 0:
+        return [SampleTask(None, 0, 0, batch)]
+    return [SampleTask(index, position, len(batch), batch) for position, index in enumerate(batch)]
 
 
 def sample_stage(fn: Callable[[Any], Any], arg: Callable[[SampleTask], Any]) -> Callable:

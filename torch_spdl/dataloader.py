@@ -49,9 +49,10 @@ from .compat import (
 )
 from .copies import CopyTask, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
+from .grouped import SampleGroup, async_group_loader, checked, group_loader, group_tasks, split
 from .hooks import Hooks, resolve_hooks
 from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
-from .pipeline import Failure, Pipeline, SharedSource, Stage, Stream, WorkerSource
+from .pipeline import Failure, Pipeline, PipelineBuilder, SharedSource, Stream, WorkerSource
 from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .plan import AUTO, STREAMS, Plan, make_plan
@@ -321,17 +322,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         assert hooks is not None and cache is not None  # preload needs both (_check_options)
         load = hooks.load_from(thread_safe_view(self.dataset))
         start = worker_starter(self.dataset, self.io_workers, 0, None)
-        stage = Stage(
-            "preload",
+        indices = range(len(cast(Sized, self.dataset)))
+        builder = PipelineBuilder().add_source(indices)
+        builder.pipe(
             load,
-            self.io_workers,
+            concurrency=self.io_workers,
+            name="preload",
+            output_order="input",
             describe=lambda i: f"dataset index {i}",
             on_start=start,
         )
-        indices = range(len(cast(Sized, self.dataset)))
         raw: Any
-        loaded: Pipeline[Any]
-        with Pipeline(indices, [stage], name="torch_spdl.preload") as loaded:
+        with builder.add_sink().build(name="torch_spdl.preload") as loaded:
             for index, raw in zip(indices, loaded, strict=True):
                 cache.put(index, raw)
         self._preloaded = True
@@ -566,12 +568,31 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._plan.skips_failures:
             return self._tolerant_inline(load, preprocess)
 
+        load_all = self._inline_loads(load, hooks)
+
         def fetch(task: FetchTask) -> Any:
             if not self._auto_collation:
-                return self._finish(preprocess(load(task.index)))
-            return self._finish([preprocess(load(i)) for i in task.index])
+                return self._finish(preprocess(load_all([task.index])[0]))
+            return self._finish([preprocess(raw) for raw in load_all(task.index)])
 
         return fetch
+
+    def _inline_loads(
+        self, load: Callable[[Any], Any], hooks: Hooks
+    ) -> Callable[[list[Any]], list[Any]]:
+        """What loads a batch's raw samples in the loop's thread: one ``load_many`` call where
+        the plan has it, else ``load`` for each index."""
+        load_many = hooks.load_many
+        if not self._plan.load_many or load_many is None:
+            return lambda indices: [load(i) for i in indices]
+        if hooks.load_many_is_async:
+            load_async = load_many
+            load_many = lambda indices: asyncio.run(load_async(indices))  # noqa: E731
+
+        def load_all(indices: list[Any]) -> list[Any]:
+            return checked(load_many(indices), len(indices)) if indices else []
+
+        return load_all
 
     def _tolerant_inline(
         self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]
@@ -608,31 +629,24 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 name="fetch",
                 on_start=start,
             )
-            return self._pipeline_of(streams, self._transfer_stage(), pool)
+            return self._pipeline_of(PipelineBuilder().add_source(streams), pool)
         hooks = self._hooks
-        source: SharedSource
         if hooks is None:
             fetch, start = self._fetch_stage(loader, pool, start)
-            stages: list[Stage | Stream] = [
-                Stage(
-                    "fetch",
-                    fetch,
-                    self._num_workers,
-                    describe=FetchTask.describe,
-                    on_start=start,
-                )
-            ]
             source = SharedSource(
                 self._make_source(self._sampler_iter), max_in_flight=plan.in_flight
             )
+            builder = PipelineBuilder().add_source(source)
+            self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
         else:
             auto = self._auto_collation
-            self._make_source = lambda indices: sample_tasks(indices, auto)
-            stages = self._staged(loader, hooks, start, pool)
+            tasks = group_tasks if plan.load_many else sample_tasks
+            self._make_source = lambda indices: tasks(indices, auto)
             source = SharedSource(
                 self._make_source(self._sampler_iter), numbered=True, max_in_flight=plan.in_flight
             )
-        pipeline = self._pipeline_of(source, stages + self._transfer_stage(), pool)
+            builder = self._staged(PipelineBuilder().add_source(source), loader, hooks, start, pool)
+        pipeline = self._pipeline_of(builder, pool)
         if self._switch is not None:
             pipeline.on_stop(self._switch.close)
         if self._turns is not None:
@@ -671,18 +685,34 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._make_source = self._current.copy_tasks(turns)
         return on_copies(run, turns)
 
-    def _pipeline_of(
+    def _pipe(
         self,
-        source: SharedSource | WorkerSource,
-        stages: list[Stage | Stream],
-        pool: ProcessPool | None,
-    ) -> Pipeline[Any]:
-        """The plan's pipeline over ``source`` and ``stages``; it stops ``pool`` when it stops."""
-        plan = self._plan
-        name = f"torch_spdl.DataLoader-{id(self):x}"
-        pipeline: Pipeline[Any] = Pipeline(
-            source, stages, in_order=plan.in_order, persistent=plan.persistent, name=name
+        builder: PipelineBuilder,
+        fn: Callable[[Any], Any],
+        name: str,
+        concurrency: int,
+        describe: Callable[[Any], str],
+        on_start: Callable[[int], None] | None,
+    ) -> PipelineBuilder:
+        """One of the plan's stages, in the plan's order."""
+        order = "input" if self._plan.in_order else "completion"
+        return builder.pipe(
+            fn,
+            concurrency=concurrency,
+            name=name,
+            output_order=order,
+            describe=describe,
+            on_start=on_start,
         )
+
+    def _pipeline_of(self, builder: PipelineBuilder, pool: ProcessPool | None) -> Pipeline[Any]:
+        """The plan's pipeline: ``builder``'s stages, then the transfer stage where the plan has
+        one; it stops ``pool`` when it stops."""
+        if self._transfer is not None:  # one thread owning the transfer stream
+            transfer = self._transfer
+            self._pipe(builder, transfer, "transfer", 1, _a_batch, transfer.start)
+        name = f"torch_spdl.DataLoader-{id(self):x}"
+        pipeline = builder.add_sink().build(persistent=self._plan.persistent, name=name)
         return attach(pipeline, pool)
 
     def _cpu_stage(
@@ -746,19 +776,14 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
         return conclude
 
-    def _transfer_stage(self) -> list[Stage | Stream]:
-        """One thread owning the transfer stream, after batches are complete."""
-        if self._transfer is None:
-            return []
-        return [Stage("transfer", self._transfer, 1, on_start=self._transfer.start)]
-
     def _staged(
         self,
+        builder: PipelineBuilder,
         loader: DataLoader,
         hooks: Hooks,
         start: Callable[[int], None],
         pool: ProcessPool | None = None,
-    ) -> list[Stage | Stream]:
+    ) -> PipelineBuilder:
         """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
@@ -774,23 +799,19 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             "preprocess",
             tasks_per_batch=self._plan.samples_per_batch,
         )
-        return [
-            Stage(
-                "load",
-                wrap(self._load(loader, hooks), lambda task: task.index),
-                loader.io_workers,
-                describe=SampleTask.describe,
-                on_start=io_start,
-            ),
-            Stage(
-                "preprocess",
-                preprocess,
-                self._num_workers,
-                describe=SampleTask.describe,
-                on_start=start,
-            ),
-            Stream("collate", assembler, on_restart=assembler.restart),
-        ]
+        if self._plan.load_many:  # aggregate → one load_many call → disaggregate
+            assert hooks.load_many is not None  # the plan says it has one
+            many = async_group_loader if hooks.load_many_is_async else group_loader
+            describe = SampleGroup.describe
+            self._pipe(
+                builder, many(hooks.load_many), "load_many", loader.io_workers, describe, io_start
+            )
+            builder.add_stream(Stream("split", split))
+        else:
+            load = wrap(self._load(loader, hooks), lambda task: task.index)
+            self._pipe(builder, load, "load", loader.io_workers, SampleTask.describe, io_start)
+        self._pipe(builder, preprocess, "preprocess", self._num_workers, SampleTask.describe, start)
+        return builder.add_stream(Stream("collate", assembler, on_restart=assembler.restart))
 
     def _iterable_batch_size(self) -> int | None:
         return self._index_sampler.batch_size if self._auto_collation else None
@@ -1036,3 +1057,8 @@ def run_deferred(deferred: Deferred) -> Any:
         task = deferred.task
         where_ = where("fetch", task.describe()) + " (in the training loop's thread)"
         Failure.capture(where_, task, "fetch").reraise()
+
+
+def _a_batch(batch: Any) -> str:
+    """How the transfer stage names what it failed on."""
+    return "a batch"

@@ -9,6 +9,12 @@ loader then runs ``load`` on an I/O pool (``io_workers`` threads, or an event lo
 ``async def``) and ``preprocess`` on ``num_workers`` threads, so waiting on storage never occupies a
 CPU worker. ``load_fn=`` / ``preprocess_fn=`` give the same split for a dataset you cannot edit
 (``preprocess_fn`` alone post-processes ``dataset[index]``). Hooks apply to map-style datasets.
+
+A staged dataset may also define ``load_many(indices)``, returning the raw samples of those
+indices in their order: the loader then loads each batch's samples with one call (one request to
+a store that answers many at once) and preprocesses them one by one, as SPDL's aggregate, batched
+load, disaggregate. torch's ``__getitems__`` keeps its own meaning (the whole ``__getitem__`` of
+a batch, where there are no hooks).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ class StagedDataset(Dataset[T_co]):
     def load(self, index: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement load(index)")
 
+    load_many: Callable[[list[Any]], Any] | None = None
+    """Optionally, ``load_many(indices)``: the raw samples of ``indices``, in their order, from one
+    call (sync or ``async def``); the loader uses it for each batch's samples."""
+
     def preprocess(self, raw: Any) -> Any:
         return raw
 
@@ -61,10 +71,16 @@ class Hooks:
     preprocess: Callable[[Any], Any]
     # split by the loader (a torchvision folder), not by the user: ``__getitem__`` does both
     from_folder: bool = False
+    # the dataset's ``load_many(indices)``: one call (one request) for a batch's samples
+    load_many: Callable[[Any], Any] | None = None
 
     @property
     def load_is_async(self) -> bool:
         return self.load is not None and is_async_callable(self.load)
+
+    @property
+    def load_many_is_async(self) -> bool:
+        return self.load_many is not None and is_async_callable(self.load_many)
 
     def load_from(self, dataset: Any) -> Callable[[Any], Any]:
         return self.load if self.load is not None else dataset.__getitem__
@@ -112,15 +128,19 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
     preprocess = preprocess_fn
     if load is None and preprocess is None and (folder := folder_hooks(dataset)) is not None:
         return Hooks(load=folder.load, preprocess=folder.preprocess, from_folder=True)
+    load_many = None
     if load is None and _is_staged(dataset):
         load = dataset.load
         check_hook(f"{type(dataset).__name__}.load", load, "the dataset index")
         if preprocess is None and getattr(dataset, "preprocess", None) is not None:
             preprocess = dataset.preprocess
             check_hook(f"{type(dataset).__name__}.preprocess", preprocess, "the loaded item")
+        load_many = getattr(dataset, "load_many", None)
+        if load_many is not None:
+            check_hook(f"{type(dataset).__name__}.load_many", load_many, "a list of indices")
     if load is None and preprocess is None:
         return None
-    return Hooks(load=load, preprocess=preprocess or _identity)
+    return Hooks(load=load, preprocess=preprocess or _identity, load_many=load_many)
 
 
 def _identity(raw: Any) -> Any:

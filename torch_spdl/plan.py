@@ -17,6 +17,8 @@ Shapes (what flows through the stages):
   ``i`` on copy ``i % num_workers``, as torch's workers read it (:mod:`torch_spdl.copies`).
 - ``"samples"``: a map-style dataset with ``load``/``preprocess`` hooks; one task per sample
   through ``load`` (I/O threads or an event loop), ``preprocess`` (the CPU stage) and ``collate``.
+  A dataset with ``load_many`` (and no cache) has each batch loaded by one call, then split into
+  its samples (:mod:`torch_spdl.grouped`).
 - ``"streams"``: an IterableDataset; each worker iterates its own copy and batches it.
 
 Executors of the CPU stage: ``"inline"`` (the training loop's thread, as ``num_workers=0``),
@@ -55,6 +57,12 @@ class Plan:
     transfer: bool  # a transfer stage (one thread, its own stream) copies batches to the device
     decision: Decision | None  # what "auto" decided before (or for streams, that they stay)
     copies: bool = False  # a map-style dataset with state: batch i on worker i % W's copy
+    load_many: bool = False  # SAMPLES: a batch's samples loaded by one load_many call
+
+    @property
+    def load_stages(self) -> tuple[str, ...]:
+        """How samples are loaded: one by one, or a batch at a time and split again."""
+        return ("load_many", "split") if self.load_many else ("load",)
 
     @property
     def inline(self) -> bool:
@@ -64,7 +72,7 @@ class Plan:
     def stages(self) -> tuple[str, ...]:
         """The stages' names, in data-flow order (inline: what the calling thread runs)."""
         if self.shape == SAMPLES:
-            work: tuple[str, ...] = ("load", "preprocess", "collate")
+            work: tuple[str, ...] = self.load_stages + ("preprocess", "collate")
         else:
             work = ("fetch",)
         return work + (("transfer",) if self.transfer else ())
@@ -118,7 +126,9 @@ def make_plan(
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
     copies = copies and executor != INLINE
     transfer = options.device is not None
-    io_batches = -(-options.io_workers // samples_per_batch)  # to keep every I/O worker busy
+    load_many = hooks is not None and hooks.load_many is not None and not cached
+    # to keep every I/O worker busy: each loads a sample, or a batch with load_many
+    io_batches = -(-options.io_workers // (1 if load_many else samples_per_batch))
     if (iterable or copies) and may_switch and executor == THREAD:
         decided = Decision(THREAD, _STAY[iterable])
     return Plan(
@@ -136,6 +146,7 @@ def make_plan(
         transfer=transfer,
         decision=decided,
         copies=copies,
+        load_many=load_many,
     )
 
 

@@ -71,7 +71,7 @@ from .compat import (
 )
 from .copies import CopyTask
 from .pipeline import Failure, Pipeline
-from .pipeline.stages import where
+from .pipeline.stages import describe_item, where
 from .sampling import WorkerStreams
 from .stream_state import WithState, recorded_stream
 from .workers import set_process_worker_info, worker_info
@@ -276,7 +276,24 @@ class IterableJob:
         return status, payload
 
 
-Job = FetchJob | PreprocessJob | IterableJob
+@dataclass
+class OpJob:
+    """A pipeline's ``pipe(op, executor="process")``: one value in, ``op(value)`` out."""
+
+    op: Callable[[Any], Any]
+    stage: str
+
+    def info_dataset(self, worker: int) -> Any:
+        return None
+
+    def reset(self, worker: int, request: Any = None) -> Reply:
+        return READY, None
+
+    def run(self, value: Any, worker: int) -> Reply:
+        return attempt(lambda: self.op(value), self.stage, worker, lambda: describe_item(value))
+
+
+Job = FetchJob | PreprocessJob | IterableJob | OpJob
 
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -842,6 +859,13 @@ class ProcessPool:
             if status == ERROR:
                 return Failure(payload, task, "fetch")
         return self.fetch(task, worker, keep)
+
+    def call(self, value: Any) -> Any:
+        """An ``OpJob``'s stage: this thread's worker applies the op to ``value``."""
+        status, payload = self._exchange((RUN, value))
+        if status == ERROR:
+            return Failure(payload, value, self.job.stage)
+        return payload
 
     def preprocess(self, task: SampleTask) -> SampleTask | Failure:
         """The ``preprocess`` stage: ``task.value`` (what ``load`` returned) goes to the worker."""

@@ -8,7 +8,7 @@ dropped, releasing their in-flight slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .channel import Channel
@@ -91,3 +91,12 @@ class Sink:
                 self._buffer[seq] = value
             else:
                 return self._deliver(seq, value)
+
+    def values(self) -> Iterator[Any]:
+        """This epoch's values, failures included, until its end: how the stages after a
+        :class:`~.regroup.Regroup` read the ones before it."""
+        while True:
+            try:
+                yield self.next()
+            except EpochEnd:
+                return

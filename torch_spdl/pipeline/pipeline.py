@@ -8,19 +8,31 @@ at interpreter exit, so no path leaves a thread behind.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from .channel import Channel, Slots, Stopped, StopSignal
 from .items import Failure
 from .ordering import EpochEnd, Sink
+from .regroup import Regroup
 from .sources import SharedReader, SharedSource, WorkerSource
-from .stages import AsyncStageRunner, Stage, Stream, map_loop, stream_loop, worker_source_loop
+from .stages import (
+    AsyncStageRunner,
+    Stage,
+    Stream,
+    describe_item,
+    map_loop,
+    stream_loop,
+    worker_source_loop,
+)
 from .stats import InFlight, StageReport, StageStats, in_flight
+
+Step = Stage | Stream | Regroup
 
 T = TypeVar("T")
 
@@ -37,6 +49,21 @@ def _close_all_at_exit() -> None:
 threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
 
 
+class _Boundary:
+    """A :class:`Regroup` at work: a sink reading the items before it, and a shared reader,
+    over the regrouped values, that the stages after it pull from."""
+
+    def __init__(self, regroup: Regroup, sink: Sink, reader: SharedReader) -> None:
+        self.regroup = regroup
+        self.sink = sink
+        self.reader = reader
+
+    def start_epoch(self, epoch: int, base: int) -> int:
+        """Begin the epoch that starts at seq ``base`` before it; returns its base after it."""
+        self.sink.start_epoch(epoch, base)
+        return self.reader.start_epoch(self.regroup.fn(self.sink.values()))[1]
+
+
 class _Runtime:
     """Threads, channels and the stop signal of one pipeline. It holds no reference to the
     :class:`Pipeline` object, so dropping the pipeline lets the finaliser stop the threads."""
@@ -44,10 +71,11 @@ class _Runtime:
     def __init__(
         self,
         source: SharedSource | WorkerSource,
-        stages: Sequence[Stage | Stream],
+        stages: Sequence[Step],
         in_order: bool,
         name: str,
         buffer_size: int,
+        sink_size: int | None = None,
     ) -> None:
         self.stop = StopSignal()
         self.buffer_size = buffer_size
@@ -58,15 +86,29 @@ class _Runtime:
         self.reader: SharedReader | None = None
         self.inboxes: list[Channel] = []
         self.worker_slots: list[Slots | None] = []
-        self.streams = [stage for stage in stages if isinstance(stage, Stream)]
+        self.boundaries: list[_Boundary] = []
+        self.streams: list[tuple[Stream, int]] = []  # each with the boundaries before it
         self.stats: list[StageStats] = []
         self.epoch = -1
+        self.sink_size = sink_size
+        self.max_in_flight = buffer_size * (len(stages) + 1)
         self._starting = 0  # threads that have not finished their on_start yet
         self._start_lock = threading.Lock()
         self._all_started = threading.Event()
         upstream, producers, release = self._build_source(source, stages)
-        for stage in stages:
-            upstream, producers = self._build_stage(stage, upstream, producers)
+        made_by = "source"  # what made the items upstream: the source or a regroup
+        for position, stage in enumerate(stages):
+            last = position == len(stages) - 1
+            if isinstance(stage, Regroup):
+                upstream, producers = self._channel_from(upstream, producers, made_by)
+                upstream, producers, release = self._build_regroup(
+                    stage, upstream, producers, release
+                )
+                made_by = stage.name
+            else:
+                upstream, producers = self._build_stage(stage, upstream, producers, last)
+        if stages:
+            upstream, producers = self._channel_from(upstream, producers, made_by, last=True)
         self.sink = Sink(upstream, in_order=in_order, producers=producers, release=release)
         if self._starting == 0:
             self._all_started.set()
@@ -80,17 +122,21 @@ class _Runtime:
             threading.Thread(target=target, name=f"{self.name}:{name}", args=args, daemon=True)
         )
 
-    def _channel(self, capacity: int, producers: int) -> Channel:
+    def _channel(self, capacity: int, producers: int, last: bool = False) -> Channel:
+        """A channel between stages; the last one, to the consumer, holds ``sink_size`` items
+        where that is given."""
+        if last and self.sink_size is not None:
+            return Channel(self.sink_size, self.stop, producers)
         return Channel(max(self.buffer_size, capacity), self.stop, producers)
 
-    def _build_source(self, source: Any, stages: Sequence[Stage | Stream]) -> tuple[Any, int, Any]:
+    def _build_source(self, source: Any, stages: Sequence[Step]) -> tuple[Any, int, Any]:
         """Returns (upstream of the first stage, number of end marks per epoch, slot release)."""
         if isinstance(source, SharedSource):
             return self._build_shared_source(source, stages)
         return self._build_worker_source(source)
 
     def _build_shared_source(
-        self, source: SharedSource, stages: Sequence[Stage | Stream]
+        self, source: SharedSource, stages: Sequence[Step]
     ) -> tuple[Any, int, Any]:
         if not stages:
             raise ValueError("a pipeline over a shared source needs at least one stage")
@@ -134,20 +180,43 @@ class _Runtime:
         self.stats.append(stats)
         return stats
 
-    def _build_stage(self, stage: Stage | Stream, upstream: Any, producers: int) -> tuple[Any, int]:
+    def _channel_from(
+        self, upstream: Any, producers: int, name: str, last: bool = False
+    ) -> tuple[Any, int]:
+        """``upstream`` as a channel: a shared reader is pulled by stage threads, so one stage
+        thread hands its items on where a sink is to read them."""
+        if not isinstance(upstream, SharedReader):
+            return upstream, producers
+        return self._build_stage(Stage(name, _same, 1, describe=describe_item), upstream, 1, last)
+
+    def _build_regroup(
+        self, regroup: Regroup, upstream: Any, producers: int, release: Callable[[int], None]
+    ) -> tuple[Any, int, Callable[[int], None]]:
+        """The items before ``regroup`` end in a sink of their own; the regrouped values are a
+        new shared source, numbered afresh, with one end mark per epoch."""
+        sink = Sink(upstream, in_order=regroup.in_order, producers=producers, release=release)
+        values = SharedSource((), max_in_flight=self.max_in_flight)
+        reader = SharedReader(values, self.stop)
+        self.boundaries.append(_Boundary(regroup, sink, reader))
+        return reader, 1, reader.release
+
+    def _build_stage(
+        self, stage: Stage | Stream, upstream: Any, producers: int, last: bool = False
+    ) -> tuple[Any, int]:
         if isinstance(stage, Stream):
-            out = self._channel(2, producers=1)
+            out = self._channel(2, producers=1, last=last)
             stats = self._stats(stage.name, "stream", 1, out)
+            self.streams.append((stage, len(self.boundaries)))
             self._thread(stream_loop, stage.name, stage, upstream, out, self, stats)
             return out, producers
         if stage.is_async:
             self._starting += 1
-            out = self._channel(2 * stage.concurrency, producers=1)
+            out = self._channel(2 * stage.concurrency, producers=1, last=last)
             stats = self._stats(stage.name, "async", stage.concurrency, out, stage.describe)
             runner = AsyncStageRunner(stage, upstream, out, self, stats)
             self.threads.extend(runner.threads(f"{self.name}:{stage.name}"))
             return out, producers
-        out = self._channel(2 * stage.concurrency, producers=stage.concurrency)
+        out = self._channel(2 * stage.concurrency, producers=stage.concurrency, last=last)
         stats = self._stats(stage.name, "thread", stage.concurrency, out, stage.describe)
         self._starting += stage.concurrency
         for worker in range(stage.concurrency):
@@ -174,10 +243,13 @@ class _Runtime:
                     inbox.put((self.epoch, base))
             except Stopped:
                 pass  # a worker failed to start: the consumer's next get() raises its error
-        for stage in self.streams:
+        bases = [base]
+        for boundary in self.boundaries:
+            bases.append(boundary.start_epoch(self.epoch, bases[-1]))
+        for stage, segment in self.streams:
             if stage.on_restart is not None:
-                stage.on_restart(base)
-        self.sink.start_epoch(self.epoch, base)
+                stage.on_restart(bases[segment])
+        self.sink.start_epoch(self.epoch, bases[-1])
 
     def started(self) -> None:
         """A worker thread has finished its on_start (or failed it)."""
@@ -210,14 +282,19 @@ class _Runtime:
         """Stop every thread and join it (a thread stuck in user code is given up on after
         ``JOIN_TIMEOUT`` in all; it is a daemon thread, so it cannot keep the interpreter alive)."""
         self.stop.set()
-        if self.reader is not None:
-            self.reader.close()
+        for reader in [self.reader] + [boundary.reader for boundary in self.boundaries]:
+            if reader is not None:
+                reader.close()
         current = threading.current_thread()
         deadline = time.monotonic() + JOIN_TIMEOUT
         for thread in self.threads:
             if thread is not current and thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
         _live.discard(self)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class Pipeline(Generic[T]):
@@ -232,26 +309,37 @@ class Pipeline(Generic[T]):
     unless ``persistent=True``, the threads are joined then. A persistent pipeline keeps its
     threads; :meth:`restart` begins the next epoch. ``buffer_size`` is the capacity of each channel
     between stages: large enough that threads hand over items in bursts rather than ping-pong on
-    every one (a SharedSource's ``max_in_flight`` is what bounds memory). Use it as a context
-    manager, or call :meth:`close`.
+    every one (a SharedSource's ``max_in_flight`` is what bounds memory); ``sink_size``, where
+    given, is the last one's, which holds finished items for the consumer. A :class:`Regroup`
+    among the stages (``aggregate``, ``disaggregate``) reads the items before it in input order
+    where it says so (``in_order`` says it for the items after the last one); a pipeline with one
+    runs a single pass. Use it as a context manager, or call :meth:`close`.
+
+    :class:`~torch_spdl.pipeline.PipelineBuilder` makes one from SPDL's description, and the
+    SPDL names :meth:`get_item`, :meth:`get_iterator`, :meth:`auto_stop`, :meth:`start` and
+    :meth:`stop` are here too.
     """
 
     def __init__(
         self,
         source: Iterable[Any] | SharedSource | WorkerSource,
-        stages: Sequence[Stage | Stream] = (),
+        stages: Sequence[Step] = (),
         *,
         in_order: bool = True,
         persistent: bool = False,
         buffer_size: int = 64,
+        sink_size: int | None = None,
         name: str | None = None,
     ) -> None:
+        self._regroups = any(isinstance(stage, Regroup) for stage in stages)
+        if persistent and self._regroups:
+            raise ValueError("a pipeline that aggregates or disaggregates runs a single pass")
         if not isinstance(source, (SharedSource, WorkerSource)):
             # bound what a slow item can make the reorder buffer hold behind it
             source = SharedSource(source, max_in_flight=buffer_size * (len(stages) + 1))
         self.name = name or f"torch_spdl-{next(_names)}"
         self.persistent = persistent
-        self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size)
+        self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size, sink_size)
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._runtime.start_epoch(None)
         self._running = True
@@ -292,8 +380,46 @@ class Pipeline(Generic[T]):
         """Begin a new epoch (over ``source`` if given), dropping what is left of the last one."""
         if self.closed:
             raise RuntimeError("restart() on a closed pipeline")
+        if self._regroups:
+            raise RuntimeError("a pipeline that aggregates or disaggregates runs a single pass")
         self._runtime.start_epoch(source)
         self._running = True
+
+    # -- SPDL's names ------------------------------------------------------------------------------
+    def get_item(self, timeout: float | None = None) -> T:
+        """The next result, as SPDL's ``Pipeline.get_item``: ``EOFError`` at the end of the
+        pass, ``TimeoutError`` if none is ready within ``timeout`` seconds."""
+        try:
+            return self.get(timeout)
+        except StopIteration:
+            raise EOFError("the pipeline has delivered every item") from None
+
+    def get_iterator(self, timeout: float | None = None) -> Iterator[T]:
+        """The rest of the pass, each item waited for at most ``timeout`` seconds."""
+        while True:
+            try:
+                yield self.get(timeout)
+            except StopIteration:
+                return
+
+    def start(self, timeout: float | None = None) -> None:
+        """SPDL's ``start``: here the threads start when the pipeline is made, so this only
+        checks that it has not been stopped."""
+        if self.closed:
+            raise RuntimeError("start() on a stopped pipeline: build a new one")
+
+    def stop(self, timeout: float | None = None) -> None:
+        """SPDL's ``stop``: :meth:`close`."""
+        self.close()
+
+    @contextlib.contextmanager
+    def auto_stop(self, timeout: float | None = None) -> Iterator[Pipeline[T]]:
+        """SPDL's ``auto_stop``: the pipeline for a ``with`` block, stopped when it ends."""
+        self.start(timeout)
+        try:
+            yield self
+        finally:
+            self.stop(timeout)
 
     def stats(self) -> list[StageReport]:
         """Per-stage figures since the pipeline started, in data-flow order (a snapshot)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from .channel import Closed, Stopped, StopSignal
@@ -11,7 +13,8 @@ from .items import End, Failure
 
 
 class SharedSource:
-    """An iterable pulled directly by the first stage's threads, one ``next()`` at a time.
+    """An iterable (or an async iterable: :class:`FromAsync`) pulled directly by the first
+    stage's threads, one ``next()`` at a time.
 
     The first stage reads it under a lock instead of through a feeder thread and a queue: one
     hand-off less per item, which is most of the engine's per-item cost.
@@ -101,7 +104,7 @@ class SharedReader:
             self._base = self._next_seq
             self._free = self._limit
             self._last_local = object()
-            self._iterator = iter(iterable)
+            self._iterator = iterate(iterable, self._stop)
             self._wake_all()
             return self._epoch, self._base
 
@@ -134,31 +137,47 @@ class SharedReader:
             self._cond.wait()
 
     def get(self) -> tuple[int, Any]:
-        """Next ``(seq, value)``; ``(seq, End)`` once per epoch; blocks between epochs."""
-        with self._cond:
-            while True:
+        """Next ``(seq, value)``; ``(seq, End)`` once per epoch; blocks between epochs.
+
+        The iterator is advanced outside the lock, one thread at a time (``_busy``): a source
+        that blocks (the part of the pipeline before a regroup, an async listing) must not hold
+        up the consumer's releases or the stop signal meanwhile."""
+        while True:
+            with self._cond:
                 self._wait_for_turn()
                 if self._stop.is_set():
                     raise Stopped
                 self._busy = True
+                epoch, iterator = self._epoch, self._iterator
+            assert iterator is not None  # _wait_for_turn saw an epoch running
+            try:
+                taken = _advance(iterator)
+            except BaseException:
+                self._done_taking()
+                raise
+            with self._cond:
                 try:
-                    numbered = self._take()
+                    numbered = self._number(taken, epoch)
                 finally:
                     self._busy = False
                     self._cond.notify()  # the next thread's turn
-                if numbered is not None:
-                    return numbered
+            if numbered is not None:
+                return numbered
 
-    def _take(self) -> tuple[int, Any] | None:
-        """One item from the iterator, numbered; None if it belonged to an abandoned epoch."""
-        epoch = self._epoch
-        assert self._iterator is not None  # _wait_for_turn saw an epoch running
-        try:
-            item = next(self._iterator)
-        except StopIteration:
+    def _done_taking(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify()
+
+    def _number(self, taken: tuple[str, Any], epoch: int) -> tuple[int, Any] | None:
+        """What the iterator gave, numbered; None if it belonged to an abandoned epoch."""
+        if self._epoch != epoch:
+            return None
+        kind, item = taken
+        if kind == _ENDED:
             return self._end_epoch()
-        except BaseException:
-            return self._failed(epoch)
+        if kind == _FAILED:
+            return self._failed(item, epoch)
         local, value = item if self._source.numbered else (None, item)
         if self._source.numbered and local == self._last_local:
             return self._next_seq - 1, value
@@ -168,11 +187,10 @@ class SharedReader:
         self._next_seq += 1
         return self._next_seq - 1, value
 
-    def _failed(self, epoch: int) -> tuple[int, Any] | None:
+    def _failed(self, failure: Failure, epoch: int) -> tuple[int, Any] | None:
         """The source raised: its error becomes an item after the ones it gave before, which
         reach the consumer first (in input order), and the epoch ends after it, as a sampler's
         iterator ends once it has raised."""
-        failure = Failure.capture("in the source (sampler) of the pipeline")
         self._iterator = iter(())
         if not self._wait_for_budget(epoch):
             return None
@@ -198,3 +216,83 @@ class SharedReader:
         self._iterator = None
         count = self._next_seq - self._base
         return self._next_seq, End(self._epoch, count, self._next_seq)
+
+
+_ITEM, _ENDED, _FAILED = "item", "ended", "failed"
+
+
+def _advance(iterator: Iterator[Any]) -> tuple[str, Any]:
+    """``next(iterator)`` as ``(kind, what)``: an item, the end, or the source's error."""
+    try:
+        return _ITEM, next(iterator)
+    except StopIteration:
+        return _ENDED, None
+    except (Stopped, Closed):  # the pipeline is stopping (an upstream part of it, read here)
+        raise
+    except BaseException:
+        return _FAILED, Failure.capture("in the source (sampler) of the pipeline")
+
+
+def iterate(iterable: Iterable[Any] | AsyncIterable[Any], stop: StopSignal) -> Iterator[Any]:
+    """An iterator over ``iterable``, which may be an async iterable (see :class:`FromAsync`)."""
+    if isinstance(iterable, AsyncIterable) and not isinstance(iterable, Iterable):
+        return FromAsync(iterable, stop)
+    return iter(iterable)
+
+
+class FromAsync:
+    """An async iterable read as a plain iterator: each ``next()`` runs one ``__anext__`` on an
+    event loop of its own, in whichever stage thread takes the item (the reader lets one in at a
+    time). The stop signal cancels a pending ``__anext__``, so a source awaiting the network does
+    not hold up the pipeline's shutdown. The async generator is closed on its own loop when it is
+    exhausted or cancelled, or when the iterator is dropped."""
+
+    def __init__(self, iterable: AsyncIterable[Any], stop: StopSignal) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._iterator: AsyncIterator[Any] = aiter(iterable)
+        self._task: asyncio.Task[Any] | None = None
+        stop.on_set(self._cancel)
+
+    def __iter__(self) -> FromAsync:
+        return self
+
+    def __next__(self) -> Any:
+        if self._loop.is_closed():
+            raise StopIteration
+        self._task = self._loop.create_task(_next(self._iterator))
+        try:
+            return self._loop.run_until_complete(self._task)
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+        except asyncio.CancelledError:
+            self.close()
+            raise Stopped from None
+        finally:
+            self._task = None
+
+    def _cancel(self) -> None:
+        task = self._task
+        if task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                self._loop.call_soon_threadsafe(task.cancel)
+
+    def close(self) -> None:
+        """Close the async generator (its ``finally`` blocks run) and the loop; not while a
+        ``next()`` runs in another thread."""
+        if self._loop.is_closed() or self._loop.is_running():
+            return
+        aclose = getattr(self._iterator, "aclose", None)
+        try:
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.run_until_complete(aclose())
+        finally:
+            self._loop.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+async def _next(iterator: AsyncIterator[Any]) -> Any:
+    return await anext(iterator)

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import reprlib
 import threading
 import time
 import traceback
@@ -52,6 +53,11 @@ def where(
     if worker is not None:
         text += f" (worker {kind} {worker})"
     return text
+
+
+def describe_item(value: Any) -> str:
+    """How a pipeline names an item it has no better name for: ``item [1, 2, 3]``, shortened."""
+    return f"item {reprlib.repr(value)}"
 
 
 @dataclass(frozen=True)

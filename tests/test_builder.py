@@ -1,0 +1,337 @@
+"""PipelineBuilder: SPDL's description (source, pipe, aggregate, disaggregate, sink) on the
+engine, and the DataLoader built with it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import time
+import zlib
+
+import pytest
+import torch
+
+import torch_spdl
+from torch_spdl.pipeline import PipelineBuilder
+
+pytestmark = pytest.mark.usefixtures("no_leak")
+
+
+def jitter(x):
+    """Identity that finishes out of order (a few ms, different per item)."""
+    time.sleep(random.Random(repr(x)).random() * 0.004)
+    return x
+
+
+def build(source, *steps, sink=None):
+    builder = PipelineBuilder().add_source(source)
+    for step in steps:
+        step(builder)
+    return builder.add_sink(sink).build()
+
+
+def pipe(op, **kw):
+    kw.setdefault("output_order", "input")
+    return lambda builder: builder.pipe(op, **kw)
+
+
+def take_all(pipeline):
+    """Every result, with each error raised by the pipeline as ("error", message)."""
+    out = []
+    while True:
+        try:
+            out.append(pipeline.get_item(timeout=30))
+        except EOFError:
+            return out
+        except Exception as error:  # the pipeline goes on after an op's error
+            out.append(("error", str(error)))
+
+
+# -- aggregate / disaggregate ---------------------------------------------------------------------
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_aggregate_groups_consecutive_items_in_input_order(drop_last):
+    pipeline = build(
+        range(23),
+        pipe(jitter, concurrency=4),
+        lambda b: b.aggregate(5, drop_last=drop_last),
+        pipe(jitter, concurrency=3),
+    )
+    groups = [list(range(i, min(i + 5, 23))) for i in range(0, 23, 5)]
+    assert list(pipeline) == (groups[:-1] if drop_last else groups)
+
+
+def test_disaggregate_splits_groups_back_in_order():
+    pipeline = build(
+        range(50),
+        pipe(jitter, concurrency=4),
+        lambda b: b.aggregate(7),
+        pipe(lambda group: [x * 10 for x in group], concurrency=3),
+        lambda b: b.disaggregate(),
+        pipe(jitter, concurrency=4),
+    )
+    assert list(pipeline) == [x * 10 for x in range(50)]
+
+
+def test_aggregate_right_after_the_source_and_at_the_end():
+    pipeline = build(range(10), lambda b: b.aggregate(4), lambda b: b.aggregate(2))
+    assert list(pipeline) == [[[0, 1, 2, 3], [4, 5, 6, 7]], [[8, 9]]]
+
+
+def test_after_a_completion_order_pipe_aggregate_groups_as_items_arrive():
+    gate = threading.Event()
+
+    def hold_first(x):
+        if x == 0:
+            assert gate.wait(30)
+        return x
+
+    pipeline = build(
+        range(9),
+        pipe(hold_first, concurrency=3, output_order="completion"),
+        lambda b: b.aggregate(4),
+    )
+    first = pipeline.get_item(timeout=30)  # made while item 0 is still held
+    gate.set()
+    rest = list(pipeline)
+    assert 0 not in first and len(first) == 4
+    assert sorted(first + [x for group in rest for x in group]) == list(range(9))
+    assert [len(group) for group in rest] == [4, 1]
+
+
+def test_a_failed_item_passes_aggregate_alone_and_the_rest_stay_grouped():
+    def invert(x):
+        return 12 // (x - 3)
+
+    pipeline = build(range(8), pipe(invert, concurrency=2), lambda b: b.aggregate(3))
+    results = take_all(pipeline)
+    errors = [r for r in results if isinstance(r, tuple)]
+    assert results[0] == [-4, -6, -12]
+    assert len(errors) == 1 and "in stage 'invert' for item 3" in errors[0][1]
+    assert "ZeroDivisionError" in errors[0][1] or "division" in errors[0][1]
+    assert results[2:] == [[12, 6, 4], [3]]
+
+
+def test_disaggregate_names_an_item_that_is_not_iterable():
+    pipeline = build([[1, 2], 7, [3]], lambda b: b.disaggregate())
+    results = take_all(pipeline)
+    assert results[:2] == [1, 2] and results[3:] == [3]
+    assert "in stage 'disaggregate' for item 7" in results[2][1]
+
+
+# -- ops ------------------------------------------------------------------------------------------
+def test_a_generator_op_yields_any_number_of_items_per_item():
+    def repeat(x):
+        yield from [x] * (x % 3)  # 0, 1 or 2 copies: none drops the item
+
+    pipeline = build(range(9), pipe(repeat, concurrency=3), pipe(jitter, concurrency=2))
+    assert list(pipeline) == [x for x in range(9) for _ in range(x % 3)]
+
+
+def test_an_async_generator_op():
+    async def halves(x):
+        await asyncio.sleep(0.001 * (x % 4))
+        yield x
+        yield x + 0.5
+
+    pipeline = build(range(6), pipe(halves, concurrency=4))
+    assert list(pipeline) == [v for x in range(6) for v in (x, x + 0.5)]
+
+
+def test_async_op_runs_with_concurrency_calls_in_flight():
+    in_flight, most = 0, 0
+
+    async def fetch(x):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return x
+
+    pipeline = build(range(40), pipe(fetch, concurrency=8, executor="async"))
+    assert list(pipeline) == list(range(40))
+    assert 1 < most <= 8
+
+
+def test_process_executor_runs_the_op_in_worker_processes(no_child_left):
+    pipeline = build(
+        [b"a" * n for n in range(20)], pipe(zlib.compress, concurrency=2, executor="process")
+    )
+    with pipeline.auto_stop():
+        assert list(pipeline) == [zlib.compress(b"a" * n) for n in range(20)]
+
+
+def test_process_executor_error_names_the_pipe_item_and_worker(no_child_left):
+    pipeline = build([b"x", "not bytes", b"y"], pipe(zlib.compress, executor="process"))
+    results = take_all(pipeline)
+    assert results[0] == zlib.compress(b"x") and results[2] == zlib.compress(b"y")
+    assert "in stage 'compress' for item 'not bytes' (worker process 0)" in results[1][1]
+
+
+def test_a_concurrent_futures_executor_of_the_users():
+    with concurrent.futures.ThreadPoolExecutor(2) as executor:
+        pipeline = build(range(30), pipe(jitter, concurrency=4, executor=executor))
+        assert list(pipeline) == list(range(30))
+
+
+# -- sources --------------------------------------------------------------------------------------
+def test_async_source():
+    async def pages():
+        for page in range(4):
+            await asyncio.sleep(0.001)
+            for x in range(page * 3, page * 3 + 3):
+                yield x
+
+    pipeline = build(pages(), pipe(jitter, concurrency=3))
+    assert list(pipeline) == list(range(12))
+
+
+def test_closing_cancels_an_async_source_that_is_waiting():
+    closed = threading.Event()
+
+    async def forever():
+        try:
+            yield 1
+            await asyncio.Event().wait()  # nothing will ever come
+            yield 2
+        finally:
+            closed.set()
+
+    pipeline = build(forever(), pipe(jitter))
+    assert pipeline.get_item(timeout=30) == 1
+    with pytest.raises(TimeoutError):
+        pipeline.get_item(timeout=0.05)
+    started = time.monotonic()
+    pipeline.stop()
+    assert time.monotonic() - started < 2  # not the join timeout
+    assert closed.is_set()  # the async generator's finally ran
+
+
+def test_an_async_source_that_raises_fails_where_it_raised():
+    async def two_then_error():
+        yield 1
+        yield 2
+        raise OSError("listing failed")
+
+    results = take_all(build(two_then_error(), pipe(jitter)))
+    assert results[:2] == [1, 2] and len(results) == 3
+    assert "listing failed" in results[2][1]
+
+
+# -- SPDL's pipeline methods ----------------------------------------------------------------------
+def test_get_iterator_times_out_and_get_item_says_eof():
+    gate = threading.Event()
+
+    def wait(x):
+        assert gate.wait(30)
+        return x
+
+    pipeline = build(range(2), pipe(wait))
+    with pipeline.auto_stop():
+        with pytest.raises(TimeoutError):
+            next(pipeline.get_iterator(timeout=0.05))
+        gate.set()
+        assert list(pipeline.get_iterator(timeout=30)) == [0, 1]
+        with pytest.raises(EOFError):
+            pipeline.get_item()
+    assert pipeline.closed
+    with pytest.raises(RuntimeError, match="stopped"):
+        pipeline.start()
+
+
+def test_auto_stop_joins_threads_when_the_block_is_left_early():
+    pipeline = build(range(1000), pipe(jitter, concurrency=4), lambda b: b.aggregate(3))
+    with pipeline.auto_stop():
+        assert pipeline.get_item(timeout=30) == [0, 1, 2]
+    assert pipeline.closed  # no_leak checks the threads are gone
+
+
+def test_a_sink_buffer_holds_that_many_finished_items():
+    made = {x: threading.Event() for x in range(100)}
+
+    def record(x):
+        made[x].set()
+        return x
+
+    pipeline = build(range(100), pipe(record), sink=2)
+    assert pipeline.get_item(timeout=30) == 0
+    # the sink holds items 1 and 2; the stage's thread has made item 3 and waits with it
+    assert made[3].wait(30)
+    assert not made[4].wait(0.2)  # with a larger buffer it would be made at once
+    assert pipeline.get_item(timeout=30) == 1
+    assert made[4].wait(30)
+    assert list(pipeline) == list(range(2, 100))
+
+
+# -- validation -----------------------------------------------------------------------------------
+def source():
+    return PipelineBuilder().add_source([1])
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: PipelineBuilder().pipe(abs), ValueError, "add_source"),
+        (lambda: source().add_source([2]), ValueError, "once"),
+        (lambda: PipelineBuilder().add_source(5), TypeError, "iterable"),
+        (lambda: source().build(), ValueError, "add_sink"),
+        (lambda: source().add_sink().pipe(abs), ValueError, "ends"),
+        (lambda: source().pipe(abs, concurrency=0), ValueError, "positive"),
+        (lambda: source().pipe(abs, output_order="x"), ValueError, "order"),
+        (lambda: source().pipe(abs, executor="gpu"), ValueError, "executor"),
+        (lambda: source().pipe(abs, executor="async"), TypeError, "async op"),
+        (lambda: source().pipe(asyncio.sleep, executor="thread"), TypeError, "sync op"),
+        (lambda: source().pipe(abs, executor="process", on_start=print), ValueError, "on_start"),
+        (lambda: source().pipe(5), TypeError, "callable"),
+        (lambda: source().aggregate(0), ValueError, "num_items"),
+        (lambda: source().add_sink(0), ValueError, "buffer_size"),
+        (lambda: source().add_sink().build(num_threads=0), ValueError, "num_threads"),
+        (lambda: source().aggregate(2).add_sink().build(persistent=True), ValueError, "single"),
+    ],
+)
+def test_bad_descriptions_are_refused_with_the_reason(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+# -- the DataLoader is one user of the builder ----------------------------------------------------
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        return index * index
+
+
+class StagedSquares(torch_spdl.StagedDataset):
+    def __len__(self):
+        return 10
+
+    def load(self, index):
+        return index
+
+    def preprocess(self, raw):
+        return raw * raw
+
+
+@pytest.mark.parametrize(
+    ("dataset", "stages"),
+    [(Squares(), ["fetch"]), (StagedSquares(), ["load", "preprocess", "collate"])],
+)
+def test_the_dataloader_builds_its_passes_with_the_builder(monkeypatch, dataset, stages):
+    built = []
+    original = PipelineBuilder.build
+
+    def recording(self, **kwargs):
+        pipeline = original(self, **kwargs)
+        built.append([report.name for report in pipeline.stats()])
+        return pipeline
+
+    monkeypatch.setattr(PipelineBuilder, "build", recording)
+    loader = torch_spdl.DataLoader(dataset, batch_size=3, num_workers=2, worker_method="thread")
+    expected = list(torch.utils.data.DataLoader(Squares(), batch_size=3))
+    batches = list(loader)
+    assert [b.tolist() for b in batches] == [b.tolist() for b in expected]
+    assert built == [stages]

@@ -1,0 +1,68 @@
+"""Where a pipeline changes how many items there are: ``aggregate`` and ``disaggregate``.
+
+Every other stage maps one item to one item, so an item's seq (its place in the source's order)
+stays its place to the end. A :class:`Regroup` ends that numbering: the runtime reads the items
+before it through a sink of their own, in input order or as completed, and the regrouped values
+become a new source, numbered afresh, for the stages after it (see
+:class:`~torch_spdl.pipeline.pipeline.Pipeline`). Failures are not grouped: each goes on alone,
+in its place, so the consumer still raises it and the other items still form whole groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .items import Failure
+from .stages import describe_item
+
+Values = Callable[[Iterator[Any]], Iterator[Any]]
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """Turn the stream of values into another: ``fn`` gets the values (failures included, in
+    their places) in the order the items before it are read, and yields the new values."""
+
+    name: str
+    fn: Values
+    in_order: bool = True  # read the items before it in input order, else as they complete
+
+
+def aggregate(num_items: int, drop_last: bool = False) -> Values:
+    """Lists of ``num_items`` consecutive values; the last one shorter unless ``drop_last``."""
+
+    def groups(values: Iterator[Any]) -> Iterator[Any]:
+        group: list[Any] = []
+        for value in values:
+            if isinstance(value, Failure):
+                yield value
+                continue
+            group.append(value)
+            if len(group) == num_items:
+                yield group
+                group = []
+        if group and not drop_last:
+            yield group
+
+    return groups
+
+
+def disaggregate(name: str) -> Values:
+    """Each value's elements, one by one; a value that is not iterable fails alone, named."""
+
+    def elements(values: Iterator[Any]) -> Iterator[Any]:
+        for value in values:
+            if isinstance(value, Failure):
+                yield value
+                continue
+            try:
+                parts: Iterable[Any] = iter(value)
+            except TypeError:
+                where = f"in stage {name!r} for {describe_item(value)}"
+                yield Failure.capture(where, value, name)
+                continue
+            yield from parts
+
+    return elements
