@@ -17,7 +17,7 @@ import torch
 import torch.utils.data
 
 import torch_spdl
-from torch_spdl.pipeline import Pipeline, Stage
+from torch_spdl.pipeline import Pipeline, PipelineBuilder, Stage
 
 
 def queue_baseline(n: int) -> None:
@@ -39,6 +39,21 @@ def queue_baseline(n: int) -> None:
 def one_stage(in_order: bool) -> Callable[[int], None]:
     def run(n: int) -> None:
         for _ in Pipeline(range(n), [Stage("noop", lambda x: x)], in_order=in_order):
+            pass
+
+    return run
+
+
+def builder(regroup: bool) -> Callable[[int], None]:
+    """The same no-op pipe made by PipelineBuilder; with ``regroup``, aggregated by 64 and split
+    again around it (two more hand-offs per item, and a list per 64)."""
+
+    def run(n: int) -> None:
+        described = PipelineBuilder().add_source(range(n))
+        if regroup:
+            described.aggregate(64).disaggregate()
+        described.pipe(lambda x: x, output_order="input")
+        for _ in described.add_sink().build():
             pass
 
     return run
@@ -78,6 +93,8 @@ VARIANTS: dict[str, Callable[[int], None]] = {
     "queue.Queue thread->main (floor)": queue_baseline,
     "Pipeline, 1 no-op stage, in order": one_stage(True),
     "Pipeline, 1 no-op stage, completion order": one_stage(False),
+    "PipelineBuilder, 1 no-op pipe, input order": builder(False),
+    "PipelineBuilder, aggregate(64) + disaggregate + pipe": builder(True),
     "torch DataLoader, 0 workers": loader(torch.utils.data.DataLoader, Trivial),
     "torch DataLoader, 2 workers": loader(torch.utils.data.DataLoader, Trivial, num_workers=2),
     "torch_spdl DataLoader, 2 workers": loader(torch_spdl.DataLoader, Trivial, num_workers=2),

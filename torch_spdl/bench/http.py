@@ -28,7 +28,15 @@ REQUEST_TIMEOUT_S = 30.0  # per request: a stuck server fails the run instead of
 START_TIMEOUT_S = 30.0
 SERVER_SCRIPT = Path(__file__).with_name("server.py")
 
-__all__ = ["BODY_BYTES", "HOST", "HttpItems", "RunningServer", "http_get", "http_server"]
+__all__ = [
+    "BODY_BYTES",
+    "HOST",
+    "HttpBatchItems",
+    "HttpItems",
+    "RunningServer",
+    "http_get",
+    "http_server",
+]
 
 
 @dataclass(frozen=True)
@@ -116,12 +124,30 @@ class HttpItems(torch_spdl.StagedDataset):
         body = await asyncio.wait_for(
             http_get(self.host, self.port, f"/item/{index}"), REQUEST_TIMEOUT_S
         )
-        if body != item_body(index):
-            raise ValueError(f"item {index}: wrong body ({len(body)} bytes)")
-        return index, body
+        return verified(index, body)
 
     def preprocess(self, raw: tuple[int, bytes]) -> tuple[int, torch.Tensor]:
         """Bytes → uint8 tensor. ``bytearray`` because ``torch.frombuffer`` warns on read-only
         buffers; the copy is also what lets the tensor outlive the response object."""
         index, body = raw
         return index, torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+
+class HttpBatchItems(HttpItems):
+    """:class:`HttpItems` whose ``load_many`` fetches many items in one request
+    (``/items/<i>,<j>,...``): ``torch_spdl.DataLoader`` loads each batch with one request."""
+
+    async def load_many(self, indices: list[int]) -> list[tuple[int, bytes]]:
+        path = "/items/" + ",".join(map(str, indices))
+        body = await asyncio.wait_for(http_get(self.host, self.port, path), REQUEST_TIMEOUT_S)
+        if len(body) != BODY_BYTES * len(indices):
+            raise ValueError(f"{path}: {len(body)} bytes for {len(indices)} items")
+        parts = (body[i * BODY_BYTES : (i + 1) * BODY_BYTES] for i in range(len(indices)))
+        return [verified(index, part) for index, part in zip(indices, parts, strict=True)]
+
+
+def verified(index: int, body: bytes) -> tuple[int, bytes]:
+    """``(index, body)`` if ``body`` is item ``index``'s."""
+    if body != item_body(index):
+        raise ValueError(f"item {index}: wrong body ({len(body)} bytes)")
+    return index, body

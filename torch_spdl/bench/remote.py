@@ -3,7 +3,9 @@
 The work per sample is nearly all waiting, so throughput is set by how many requests are in
 flight. ``torch`` gets one per worker process (4, then 64 processes); ``torch_spdl`` awaits
 :class:`~torch_spdl.bench.http.HttpItems`' ``async def load`` on one event loop with
-``io_workers`` requests in flight and 2 threads for ``preprocess``. The server runs in its own
+``io_workers`` requests in flight and 2 threads for ``preprocess``; its ``load_many`` variant
+(:class:`~torch_spdl.bench.http.HttpBatchItems`) asks for a whole batch in one request, with as
+many requests in flight, answered after the same latency. The server runs in its own
 process (see :mod:`torch_spdl.bench.server`) and is left out of the memory measurement.
 """
 
@@ -19,7 +21,7 @@ import torch.utils.data
 
 import torch_spdl
 
-from .http import BODY_BYTES, HOST, HttpItems, http_server
+from .http import BODY_BYTES, HOST, HttpBatchItems, HttpItems, http_server
 from .measure import TORCH, Variant
 from .server import item_body
 
@@ -27,6 +29,7 @@ BATCH = 16
 LATENCY_MS = 20.0
 SPDL_THREADS = 2  # num_workers for preprocess (bytes → tensor): the CPU part is tiny
 SPDL = "torch_spdl async load"
+SPDL_MANY = "torch_spdl load_many"  # one request per batch of 16
 
 
 @dataclass(frozen=True)
@@ -72,15 +75,17 @@ def prepare(options: Options) -> Iterator[list[Variant]]:
             )
             for w in options.torch_workers
         ]
-        variants += [
-            variant(
-                SPDL,
-                io,
-                lambda io=io: torch_spdl.DataLoader(
-                    dataset, num_workers=SPDL_THREADS, io_workers=io, **common
-                ),
-                f"num_workers={SPDL_THREADS}, io_workers={io}",
-            )
-            for io in options.io_workers
-        ]
+        batched = HttpBatchItems(HOST, server.port, options.batches * BATCH)
+        for name, items, per_request in ((SPDL, dataset, ""), (SPDL_MANY, batched, f" of {BATCH}")):
+            variants += [
+                variant(
+                    name,
+                    io,
+                    lambda io=io, items=items: torch_spdl.DataLoader(
+                        items, num_workers=SPDL_THREADS, io_workers=io, **common
+                    ),
+                    f"num_workers={SPDL_THREADS}, io_workers={io} requests{per_request}",
+                )
+                for io in options.io_workers
+            ]
         yield variants

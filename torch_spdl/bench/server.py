@@ -29,6 +29,7 @@ HOST = "127.0.0.1"
 BODY_BYTES = 16 * 1024
 BACKLOG = 1024  # a burst of 64+ connects beyond the backlog has SYNs dropped and retried 1 s later
 ITEM = re.compile(rb"GET /item/(\d+) HTTP/1\.[01]")
+ITEMS = re.compile(rb"GET /items/(\d+(?:,\d+)*) HTTP/1\.[01]")
 
 
 def item_body(index: int) -> bytes:
@@ -49,16 +50,23 @@ def response(status: str, body: bytes) -> bytes:
     return head.encode("ascii") + body
 
 
+def answer(request: bytes) -> bytes:
+    """``/item/<i>``: item i's body; ``/items/<i>,<j>,...``: their bodies one after another (a
+    batch request, answered after the same delay as one item)."""
+    if (one := ITEM.match(request)) is not None:
+        return response("200 OK", item_body(int(one.group(1))))
+    if (many := ITEMS.match(request)) is not None:
+        indices = [int(index) for index in many.group(1).split(b",")]
+        return response("200 OK", b"".join(item_body(index) for index in indices))
+    return response("404 Not Found", b"")
+
+
 async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
     """One connection, one request: wait ``delay`` seconds, answer, close."""
     try:
         request = await reader.readuntil(b"\r\n\r\n")
-        match = ITEM.match(request)
         await asyncio.sleep(delay)  # the stand-in for a remote store's round trip
-        if match is None:
-            writer.write(response("404 Not Found", b""))
-        else:
-            writer.write(response("200 OK", item_body(int(match.group(1)))))
+        writer.write(answer(request))
         await writer.drain()
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
         pass  # the client went away: nothing to answer

@@ -127,7 +127,12 @@ def remote_targets(find: Lookup) -> list[Target]:
     found = [speed(spdl, few, 5.0)]
     if many is not few:
         found.append(speed(spdl, many, 2.0))
-    return found + [memory(spdl, many, 0.6), first_batch(spdl, few)]
+    found += [memory(spdl, many, 0.6), first_batch(spdl, few)]
+    for one_by_one in find.all("B", remote.SPDL):  # at as many requests in flight
+        batched = find.at("B", remote.SPDL_MANY, one_by_one.workers)
+        if batched is not None:
+            found.append(speed(batched, one_by_one, 3.0))
+    return found
 
 
 def strings_targets(find: Lookup) -> list[Target]:
