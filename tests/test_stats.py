@@ -125,6 +125,7 @@ def report(name="preprocess", kind="thread", workers=2, busy=0.95, cpu=0.95):
         ([report(busy=0.99)], 0.01, "training loop", "keeps up"),
         ([report("load", cpu=0.01), report(busy=0.2)], 0.9, "load", "raise io_workers (now 2)"),
         ([report("load", kind="async", workers=64)], 0.9, "load", "64 calls in flight"),
+        ([report("load_many", cpu=0.01)], 0.9, "load_many", "raise io_workers (now 2)"),
         ([report(workers=2, cpu=0.45)], 0.9, "preprocess", "worker_method='process'"),
         ([report(workers=1, cpu=0.97)], 0.9, "preprocess", "raise num_workers (now 1, CPUs: 2)"),
         ([report(workers=2, cpu=0.97)], 0.9, "preprocess", "CPU-bound on all 2 CPUs"),

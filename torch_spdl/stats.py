@@ -35,7 +35,7 @@ logger = logging.getLogger("torch_spdl")
 SATURATED = 0.8  # busy fraction from which a stage is taken to hold the others back
 KEEPS_UP = 0.05  # consumer wait fraction under which the loader is not what slows training
 GIL_BOUND = 0.6  # CPU share under which a multi-threaded CPU stage is waiting for the GIL
-IO_STAGES = ("load",)  # stages that wait by design; every other sample stage is CPU work
+IO_STAGES = ("load", "load_many")  # stages that wait by design; other sample stages: CPU
 PROCESS_STAGES = ("fetch", "preprocess")  # what worker_method="process" moves to processes
 
 
