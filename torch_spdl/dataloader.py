@@ -49,7 +49,7 @@ from .compat import (
 )
 from .copies import CopyTask, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
-from .grouped import SampleGroup, async_group_loader, checked, group_loader, group_tasks, split
+from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
 from .hooks import Hooks, resolve_hooks
 from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import Failure, Pipeline, PipelineBuilder, SharedSource, Stream, WorkerSource
@@ -588,11 +588,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if hooks.load_many_is_async:
             load_async = load_many
             load_many = lambda indices: asyncio.run(load_async(indices))  # noqa: E731
-
-        def load_all(indices: list[Any]) -> list[Any]:
-            return checked(load_many(indices), len(indices)) if indices else []
-
-        return load_all
+        return loads_many(load_many)
 
     def _tolerant_inline(
         self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]

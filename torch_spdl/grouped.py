@@ -53,19 +53,29 @@ def checked(values: Iterable[Any], count: int) -> list[Any]:
     return values
 
 
-def _fill(group: SampleGroup, values: Any) -> SampleGroup:
-    live = group.live
-    for task, value in zip(live, checked(values, len(live)), strict=True):
+def loads_many(load_many: Callable[[list[Any]], Any]) -> Callable[[list[Any]], list[Any]]:
+    """A sync ``load_many`` as a checked call: one raw sample per index, none asked of it for
+    no index (an empty batch)."""
+
+    def load_all(indices: list[Any]) -> list[Any]:
+        return checked(load_many(indices), len(indices)) if indices else []
+
+    return load_all
+
+
+def _fill(live: list[SampleTask], values: list[Any]) -> None:
+    for task, value in zip(live, values, strict=True):
         task.value = value
-    return group
 
 
 def group_loader(load_many: Callable[[list[Any]], Any]) -> Callable[[SampleGroup], SampleGroup]:
     """The ``load`` stage's function for a sync ``load_many``."""
+    load_all = loads_many(load_many)
 
     def load(group: SampleGroup) -> SampleGroup:
         live = group.live
-        return _fill(group, load_many([task.index for task in live]) if live else [])
+        _fill(live, load_all([task.index for task in live]))
+        return group
 
     return load
 
@@ -75,7 +85,9 @@ def async_group_loader(load_many: Callable[[list[Any]], Any]) -> Callable[[Sampl
 
     async def load(group: SampleGroup) -> SampleGroup:
         live = group.live
-        return _fill(group, await load_many([task.index for task in live]) if live else [])
+        if live:
+            _fill(live, checked(await load_many([task.index for task in live]), len(live)))
+        return group
 
     return load
 

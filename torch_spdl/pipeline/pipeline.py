@@ -91,7 +91,7 @@ class _Runtime:
         self.stats: list[StageStats] = []
         self.epoch = -1
         self.sink_size = sink_size
-        self.max_in_flight = buffer_size * (len(stages) + 1)
+        self.max_in_flight = max_in_flight(buffer_size, stages)
         self._starting = 0  # threads that have not finished their on_start yet
         self._start_lock = threading.Lock()
         self._all_started = threading.Event()
@@ -293,6 +293,12 @@ class _Runtime:
         _live.discard(self)
 
 
+def max_in_flight(buffer_size: int, stages: Sequence[Step]) -> int:
+    """The in-flight budget of a source the pipeline makes itself: what a slow item can make
+    the reorder buffer hold behind it."""
+    return buffer_size * (len(stages) + 1)
+
+
 def _same(value: Any) -> Any:
     return value
 
@@ -335,8 +341,7 @@ class Pipeline(Generic[T]):
         if persistent and self._regroups:
             raise ValueError("a pipeline that aggregates or disaggregates runs a single pass")
         if not isinstance(source, (SharedSource, WorkerSource)):
-            # bound what a slow item can make the reorder buffer hold behind it
-            source = SharedSource(source, max_in_flight=buffer_size * (len(stages) + 1))
+            source = SharedSource(source, max_in_flight=max_in_flight(buffer_size, stages))
         self.name = name or f"torch_spdl-{next(_names)}"
         self.persistent = persistent
         self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size, sink_size)
