@@ -21,6 +21,8 @@ from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchS
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from torch_spdl import DataLoader
+from torch_spdl.copies import CopyTask, InTurns, Turned
+from torch_spdl.pipeline import Failure
 
 N = 28
 DATA = list(range(N))
@@ -567,6 +569,36 @@ def test_a_stateful_map_style_dataset_in_completion_order_resumes_its_multiset(m
     resumed = _augmenting(DataLoader, method, False, in_order=False)
     resumed.load_state_dict(elsewhere(state))
     assert sorted(head + epoch(resumed)) == uninterrupted
+
+
+def test_each_copys_batches_leave_in_the_order_the_copy_read_them():
+    """A thread preempted between a copy's batch and its hand-off lets the copy's next batch
+    overtake it: the ``turns`` stream holds the later one back (a saved state is each copy's
+    after its last batch received, so a received batch must not pass an earlier one), keeps
+    the copies' batches interleaved as they come, and lets failures and other passes through."""
+    failed = Failure(None, CopyTask(index=[4], number=4, copy=0, turn=2, generation=1))
+    arriving = [
+        (0, Turned(1, 0, 0, "b0")),
+        (3, Turned(1, 1, 1, "b3")),  # overtook b1, of the same copy
+        (2, Turned(1, 0, 1, "b2")),
+        (1, Turned(1, 1, 0, "b1")),
+        (4, failed),
+        (9, "the source's own error"),
+        (5, Turned(0, 1, 7, "from an abandoned pass")),
+    ]
+    left = list(InTurns()(iter(arriving)))
+    assert left == [
+        (0, "b0"),
+        (2, "b2"),
+        (1, "b1"),
+        (3, "b3"),
+        (4, failed),
+        (9, "the source's own error"),
+        (5, "from an abandoned pass"),
+    ]
+    # a new pass begins its copies' turns again, handing on what the last one left held
+    later = [(0, Turned(1, 0, 1, "held")), (10, Turned(2, 0, 0, "new"))]
+    assert list(InTurns()(iter(later))) == [(0, "held"), (10, "new")]
 
 
 @pytest.mark.parametrize("method", ["thread", "process"])

@@ -10,6 +10,12 @@ dataset the loader keeps one copy per worker and runs batch ``i`` on copy ``i % 
 copy's previous batch, on whichever thread is free (:class:`Turns`), or in worker process
 ``i % W``. Each copy's state after each batch is kept (``keep``), so a state taken mid-pass holds
 each copy's state after the last of its batches the user received.
+
+That state is right only if each copy's batches reach the user in the order the copy read them,
+as each torch worker's results do (one queue, in the worker's order), also with
+``in_order=False``. Threads do not keep that order by themselves: a thread that has finished a
+copy's batch may be preempted before it hands the batch on, while the copy's next batch, on
+another thread, overtakes it. In completion order the batches therefore pass :func:`in_turns`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .batching import FetchTask
+from .pipeline.items import Failure
 
 Keep = Callable[[int, int, Any], None]  # (position in the pass, copy, its state after the batch)
 
@@ -115,20 +122,83 @@ def copy_tasks(
 Run = Callable[[CopyTask, Callable[[Any], None]], Any]
 
 
-def on_copies(run: Run, turns: Turns) -> Callable[[CopyTask], Any]:
+def on_copies(run: Run, turns: Turns, tagged: bool = False) -> Callable[[CopyTask], Any]:
     """The fetch stage's function: ``run(task, keep)`` fetches ``task`` on its copy and gives
-    ``keep`` the copy's state after it, in the copy's turn."""
+    ``keep`` the copy's state after it, in the copy's turn. ``tagged``: the batch comes back as a
+    :class:`Turned`, for :func:`in_turns`."""
 
     def fetch(task: CopyTask) -> Any:
         keep = task.keep
         assert keep is not None, "copy_tasks() gives every task its pass's keep"
         turns.acquire(task)
         try:
-            return run(task, lambda state: keep(task.number, task.copy, state))
+            batch = run(task, lambda state: keep(task.number, task.copy, state))
         finally:
             turns.release(task)
+        return Turned(task.generation, task.copy, task.turn, batch) if tagged else batch
 
     return fetch
+
+
+@dataclass(frozen=True, slots=True)
+class Turned:
+    """A fetched batch with the pass, copy and turn it was read in."""
+
+    generation: int
+    copy: int
+    turn: int
+    batch: Any
+
+
+Item = tuple[int, Any]
+
+
+class InTurns:
+    """The ``turns`` stream: each copy's batches in the order the copy read them, the copies'
+    batches interleaved as they come (completion order). A batch that overtook an earlier one of
+    its copy waits for it; every batch of a copy comes, a failure in its place, so none waits for
+    long. A batch of an earlier pass is handed on at once, and a new pass hands on what an
+    abandoned one left held (the sink drops both). Its state is the stream thread's alone."""
+
+    def __init__(self) -> None:
+        self._generation = 0
+        self._next: dict[int, int] = {}  # copy -> the turn it hands on next
+        self._held: dict[tuple[int, int], Item] = {}  # (copy, turn) -> the item
+
+    def __call__(self, items: Iterator[Item]) -> Iterator[Item]:
+        for seq, value in items:
+            tag = _turn_of(value)
+            if tag is None or tag[0] < self._generation:
+                yield seq, _untagged(value)
+                continue
+            if tag[0] > self._generation:  # a new pass: its turns begin at 0
+                yield from ((seq, _untagged(value)) for seq, value in self._held.values())
+                self._held.clear()
+                self._next.clear()
+                self._generation = tag[0]
+            self._held[tag[1:]] = (seq, value)
+            yield from self._ready(tag[1])
+
+    def _ready(self, copy: int) -> Iterator[Item]:
+        turn = self._next.get(copy, 0)
+        while (copy, turn) in self._held:
+            seq, value = self._held.pop((copy, turn))
+            yield seq, _untagged(value)
+            turn += 1
+        self._next[copy] = turn
+
+
+def _turn_of(value: Any) -> tuple[int, int, int] | None:
+    """``(generation, copy, turn)`` of a fetched batch or of a failed fetch; None otherwise."""
+    if isinstance(value, Turned):
+        return value.generation, value.copy, value.turn
+    if isinstance(value, Failure) and isinstance(value.item, CopyTask):
+        return value.item.generation, value.item.copy, value.item.turn
+    return None
+
+
+def _untagged(value: Any) -> Any:
+    return value.batch if isinstance(value, Turned) else value
 
 
 class ThreadCopies:

@@ -47,7 +47,7 @@ from .compat import (
     pin_memory,
     profiler_enabled,
 )
-from .copies import CopyTask, ThreadCopies, Turns, on_copies
+from .copies import CopyTask, InTurns, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
 from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
 from .hooks import Hooks, resolve_hooks
@@ -634,6 +634,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             )
             builder = PipelineBuilder().add_source(source)
             self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
+            if self._plan.copies and not self._plan.in_order:
+                builder.add_stream(Stream("turns", InTurns()))
         else:
             auto = self._auto_collation
             tasks = group_tasks if plan.load_many else sample_tasks
@@ -679,7 +681,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             run = ThreadCopies(self._dataset, self._num_workers, fetcher).run
 
         self._make_source = self._current.copy_tasks(turns)
-        return on_copies(run, turns)
+        return on_copies(run, turns, tagged=not self._plan.in_order)
 
     def _pipe(
         self,
