@@ -149,11 +149,13 @@ def sleep_work(task: int) -> int:
     return task
 
 
-_BLOB = os.urandom(1 << 20)
+_BLOB = os.urandom(4 << 20)
 
 
 def native_work(task: int) -> int:
-    """CPU work that releases the GIL: hashlib does for buffers over 2 KiB."""
+    """CPU work that releases the GIL: hashlib does for buffers over 2 KiB. A large buffer (a few
+    ms) keeps the moments it holds the GIL rare, as a decode's are: on a host whose other load
+    preempts a thread that holds it, many short holds would read as a GIL that binds."""
     hashlib.sha256(_BLOB).digest()
     return task
 
@@ -192,25 +194,35 @@ def trial_of(work, workers: int = 2, seconds: float = 0.5) -> Measured:
     return trial.measured()
 
 
+def decisions_of(work, trials: int = 3, **rule) -> list[Decision]:
+    """The rule's verdicts on ``trials`` trials of ``work``: a measurement on a shared host is
+    noisy, so the tests below hold a majority to the verdict (and show every trial's figures)."""
+    return [decide(trial_of(work), cpus=2, **rule) for _ in range(trials)]
+
+
+def majority(decisions: list[Decision]) -> str:
+    executors = [decision.executor for decision in decisions]
+    return max(set(executors), key=executors.count)
+
+
 def test_pure_python_measures_as_gil_bound():
     """With the GIL off (free-threaded Python) the same work runs in parallel on threads."""
-    figures = trial_of(python_work)
-    assert figures.busy_cores >= auto.BUSY_CORES, figures.describe()
-    decision = decide(figures, cpus=2, inline_possible=False, gil_enabled=GIL_ON)
-    assert decision.executor == (PROCESS if GIL_ON else THREAD), str(decision)
+    decisions = decisions_of(python_work, inline_possible=False, gil_enabled=GIL_ON)
+    busy = [decision.measured.busy_cores for decision in decisions if decision.measured]
+    assert sorted(busy)[len(busy) // 2] >= auto.BUSY_CORES, busy
+    assert majority(decisions) == (PROCESS if GIL_ON else THREAD), list(map(str, decisions))
 
 
 def test_sleeping_measures_as_io():
-    figures = trial_of(sleep_work)
-    assert figures.busy_cores < auto.BUSY_CORES, figures.describe()
-    decision = decide(figures, cpus=2)
-    assert decision.executor == THREAD, str(decision)
+    decisions = decisions_of(sleep_work)
+    busy = [decision.measured.busy_cores for decision in decisions if decision.measured]
+    assert sorted(busy)[len(busy) // 2] < auto.BUSY_CORES, busy
+    assert majority(decisions) == THREAD, list(map(str, decisions))
 
 
 def test_work_that_releases_the_gil_stays_on_threads():
-    figures = trial_of(native_work)
-    decision = decide(figures, cpus=2)
-    assert decision.executor == THREAD, str(decision)
+    decisions = decisions_of(native_work)
+    assert majority(decisions) == THREAD, list(map(str, decisions))
 
 
 # -- the switch -------------------------------------------------------------------------------
