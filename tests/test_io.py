@@ -7,6 +7,7 @@ import types
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -14,11 +15,23 @@ import pytest
 import torch
 import torchvision.io as tvio
 from PIL import Image
+from torchvision.transforms import RandomResizedCrop as TorchvisionRandomResizedCrop
 from torchvision.transforms.v2 import Resize
 from torchvision.transforms.v2 import functional as F
 
 from torch_spdl import DataLoader, StagedDataset
-from torch_spdl.io import collate_images, decode_image, decode_video, output_size, resize
+from torch_spdl.io import (
+    EncodedBatch,
+    EncodedImage,
+    RandomResizedCrop,
+    collate_images,
+    decode_image,
+    decode_video,
+    output_size,
+    random_crop_box,
+    resize,
+    resized_crop,
+)
 from torch_spdl.io import image as image_module
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
 
@@ -337,6 +350,101 @@ class Jpegs(StagedDataset):
         return decode_image(raw, size=(32, 48)), len(raw)
 
 
+def test_collate_channels_last_equals_stack():
+    images = [
+        image[None].contiguous(memory_format=torch.channels_last)[0] for image in decoded_batch()
+    ]
+    batch = collate_images(images, memory_format=torch.channels_last)
+    assert batch.is_contiguous(memory_format=torch.channels_last) and not batch.is_contiguous()
+    assert torch.equal(batch, torch.stack(images))
+    with pytest.raises(ValueError, match="needs C×H×W images, got \\(40, 60\\)"):
+        collate_images([image[0] for image in images], memory_format=torch.channels_last)
+
+
+# -- RandomResizedCrop from encoded bytes --------------------------------------------------------
+RRC_DEFAULTS = ([0.08, 1.0], [3 / 4, 4 / 3])  # torchvision's scale and ratio
+
+
+def ks_distance(a: list[float], b: list[float]) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the two CDFs."""
+    a, b = sorted(a), sorted(b)
+    points = sorted(set(a) | set(b))
+    return max(
+        abs(np.searchsorted(a, x, "right") / len(a) - np.searchsorted(b, x, "right") / len(b))
+        for x in points
+    )
+
+
+@pytest.mark.parametrize("shape", [(375, 500), (640, 480), (50, 400)])
+def test_crop_boxes_are_drawn_as_torchvisions(shape):
+    """The same distribution of crop area, aspect, and position as RandomResizedCrop.get_params
+    (4,000 seeded draws each; a KS distance of 0.045 is the 0.1 % critical value)."""
+    torch.manual_seed(0)
+    ours = [random_crop_box(*shape) for _ in range(4000)]
+    theirs = [
+        tuple(
+            TorchvisionRandomResizedCrop.get_params(
+                torch.empty(0, *shape), [0.08, 1.0], [3 / 4, 4 / 3]
+            )
+        )
+        for _ in range(4000)
+    ]
+    area, aspect = (lambda box: box[2] * box[3]), (lambda box: box[3] / box[2])
+    centre_y = lambda box: (box[0] + box[2] / 2) / shape[0]  # noqa: E731
+    centre_x = lambda box: (box[1] + box[3] / 2) / shape[1]  # noqa: E731
+    for measure in (area, aspect, centre_y, centre_x):
+        distance = ks_distance([measure(b) for b in ours], [measure(b) for b in theirs])
+        assert distance < 0.045, (measure, distance)
+    for top, left, height, width in ours:
+        assert top >= 0 and top + height <= shape[0] and left >= 0 and left + width <= shape[1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1000), (1000, 2), (7, 7)])
+def test_a_crop_no_try_fits_falls_back_to_torchvisions_centre_crop(shape):
+    want = TorchvisionRandomResizedCrop.get_params(torch.empty(0, *shape), [0.9, 1.0], [5.0, 6.0])
+    assert random_crop_box(*shape, scale=(0.9, 1.0), ratio=(5.0, 6.0)) == tuple(want)
+
+
+def test_resized_crop_equals_torchvisions_and_is_channels_last():
+    image = decode_image(jpeg())
+    for box in [(10, 20, 300, 250), (0, 0, 375, 500), (5, 7, 224, 224)]:
+        out = resized_crop(image, box, (224, 224))
+        assert out[None].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(out, F.resized_crop(image, *box, [224, 224], antialias=True))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_random_resized_crop_of_bytes_is_the_decoded_images_crop(fmt):
+    """The box drawn from the header (JPEG, PNG) or the decoded image (WebP), then decode,
+    crop, resize and flip: equal to torchvision's ops on the decoded image with that box."""
+    data = encode(Image.fromarray(photo(375, 500)), fmt, quality=90)
+    decoded = decode_image(data)
+    for flip in (0.0, 1.0):
+        torch.manual_seed(3)
+        out = RandomResizedCrop(224, flip=flip)(data)
+        torch.manual_seed(3)
+        box = random_crop_box(375, 500)
+        want = F.resized_crop(decoded, *box, [224, 224], antialias=True)
+        assert out.dtype == torch.uint8 and out.shape == (3, 224, 224)
+        assert torch.equal(out, want.flip(-1) if flip else want)
+
+
+def test_random_resized_crop_flips_half_the_time_and_checks_its_arguments():
+    torch.manual_seed(0)
+    crop = RandomResizedCrop((32, 48), scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))
+    data = jpeg(60, 80)
+    outs = [crop(data) for _ in range(200)]
+    flipped = sum(
+        torch.equal(out, outs[0].flip(-1)) and not torch.equal(out, outs[0]) for out in outs
+    )
+    assert 70 <= flipped <= 130 and outs[0].shape == (3, 32, 48)
+    for bad in [dict(size=0), dict(flip=1.5), dict(scale=(0.5, 0.1)), dict(ratio=(0, 1))]:
+        with pytest.raises(ValueError):
+            RandomResizedCrop(**{"size": 224, **bad})
+    with pytest.raises(ValueError, match="cannot decode image"):
+        RandomResizedCrop(224)(b"\xff\xd8\xff\xe0 not a JPEG after its magic")
+
+
 def collate_labelled(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = zip(*samples, strict=True)
     return collate_images(images), torch.tensor(labels)
@@ -352,6 +460,171 @@ def test_in_a_staged_dataloader():
     expected = torch.stack([F.resize(tvio.decode_jpeg(tensor_of(d)), [32, 48]) for d in images])
     assert torch.equal(torch.cat([b[0] for b in batches]), expected)
     assert torch.cat([b[1] for b in batches]).tolist() == [len(d) for d in images]
+
+
+# -- decoding in the transfer stage (CPU stand-in for the GPU) ---------------------------------
+class Cropped(StagedDataset):
+    """JPEG bytes → RandomResizedCrop(48), decoded where ``decode_on`` says."""
+
+    def __init__(self, images: list[bytes], decode_on: str | None) -> None:
+        self.images, self.crop = images, RandomResizedCrop(48, decode_on=decode_on)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def load(self, index: int) -> bytes:
+        return self.images[index]
+
+    def preprocess(self, raw: bytes) -> tuple[Any, int]:
+        return self.crop(raw), len(raw)
+
+
+def varied_images(count: int = 10) -> list[bytes]:
+    return [jpeg(120 + 9 * i, 160 - 5 * i, seed=i) for i in range(count)]
+
+
+def test_an_encoded_batch_decodes_to_the_cpu_paths_batch():
+    """Same draws (same seed), same shape and dtype; pixels within a level or so on average
+    (roi_align's averaging against torch's antialiased bilinear kernel). PNG goes through too."""
+    data = [*varied_images(6), encode(Image.fromarray(photo(90, 130)), "PNG")]
+    torch.manual_seed(0)
+    cpu = torch.stack([RandomResizedCrop(48)(d) for d in data])
+    torch.manual_seed(0)
+    encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
+    assert isinstance(encoded, EncodedBatch) and len(encoded) == 7
+    decoded = encoded.decode()
+    assert decoded.shape == cpu.shape and decoded.dtype == torch.uint8
+    per_image = (decoded.float() - cpu.float()).abs().mean(dim=(1, 2, 3))
+    assert per_image.max() < 2.0, per_image
+    # a flip drawn for an image is applied to it alone
+    flips = [image.flip for image in encoded.images]
+    assert any(flips) and not all(flips)
+
+
+def test_an_edge_crop_does_not_read_the_padding():
+    """A small image beside a large one, cropped whole: its last row and column are repeated,
+    not blended with the batch's padding."""
+    small, large = jpeg(40, 50, seed=1), jpeg(200, 300, seed=2)
+    encoded = EncodedBatch(
+        [
+            EncodedImage(
+                byte_tensor(small), (0, 0, 40, 50), False, (20, 25), "RGB", torch.device("cpu")
+            ),
+            EncodedImage(
+                byte_tensor(large), (0, 0, 200, 300), False, (20, 25), "RGB", torch.device("cpu")
+            ),
+        ]
+    )
+    whole = F.resize(decode_image(small), [20, 25], antialias=True)
+    assert (encoded.decode()[0].float() - whole.float()).abs().amax(dim=0)[:, -1].mean() < 8
+
+
+@pytest.mark.usefixtures("no_leak")
+def test_the_transfer_stage_decodes_encoded_batches():
+    """device="cpu" stands in for a GPU: the loader's batches are decoded in its transfer stage,
+    equal in shape, dtype and labels to the CPU path's, and their pixels close."""
+    images = varied_images()
+    batches = {}
+    for decode_on in (None, "cpu"):
+        torch.manual_seed(5)  # num_workers=0: the draws come in the same order on both
+        loader = DataLoader(
+            Cropped(images, decode_on), batch_size=4, collate_fn=collate_labelled, device="cpu"
+        )
+        batches[decode_on] = list(loader)
+    for ours, cpu in zip(batches["cpu"], batches[None], strict=True):
+        assert isinstance(ours[0], torch.Tensor) and ours[0].shape == cpu[0].shape
+        assert ours[0].dtype == torch.uint8 and torch.equal(ours[1], cpu[1])
+        assert (ours[0].float() - cpu[0].float()).abs().mean() < 2.0
+    threaded = DataLoader(
+        Cropped(images, "cpu"),
+        batch_size=4,
+        num_workers=2,
+        collate_fn=collate_labelled,
+        device="cpu",
+    )
+    assert [b[1].tolist() for b in threaded] == [b[1].tolist() for b in batches[None]]
+
+
+@pytest.mark.usefixtures("no_leak")
+def test_a_truncated_jpeg_fails_its_sample_in_preprocess():
+    images = varied_images(6)
+    images[3] = images[3][:-200]
+    dataset = Cropped(images, "cpu")
+    loader = DataLoader(
+        dataset, batch_size=3, num_workers=2, collate_fn=collate_labelled, device="cpu"
+    )
+    with pytest.raises(
+        ValueError, match=r"(?s)dataset index 3.*is truncated: it has no end marker"
+    ):
+        list(loader)
+    tolerant = DataLoader(
+        dataset,
+        batch_size=3,
+        num_workers=2,
+        collate_fn=collate_labelled,
+        device="cpu",
+        max_failures=1,
+    )
+    assert [len(b[1]) for b in tolerant] == [3, 2]
+
+
+def test_a_batch_that_fails_to_decode_names_the_image():
+    good = jpeg(60, 80)
+    corrupt = bytearray(good)
+    corrupt[200:2000] = bytes(1800)  # the scan data zeroed: the structure still checks out
+    crop = RandomResizedCrop(32, decode_on="cpu")
+    encoded = collate_images([crop(good), crop(bytes(corrupt[:300]) + good[-2:]), crop(good)])
+    with pytest.raises(ValueError, match="image 1 of the batch could not be decoded on cpu"):
+        encoded.decode()
+
+
+def test_without_a_gpu_decoder_the_cpu_decodes_and_says_why_once():
+    crop = RandomResizedCrop(32, decode_on="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [crop(jpeg(60, 80, seed=i)) for i in range(3)]
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU decoder path")
+    assert [type(out) for out in outs] == [torch.Tensor] * 3
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "CUDA is not available on this machine" in said[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_decodes_the_batch_as_the_cpu_stand_in_does():
+    """nvJPEG's decode and roi_align in float16 on the GPU: the CPU stand-in's batch within a
+    level or two, on the GPU, through the loader's transfer stage too."""
+    data = varied_images(6)
+    torch.manual_seed(0)
+    stand_in = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data]).decode()
+    torch.manual_seed(0)
+    encoded = collate_images([RandomResizedCrop(48, decode_on="cuda")(d) for d in data])
+    on_gpu = encoded.decode()
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.uint8
+    assert (on_gpu.cpu().float() - stand_in.float()).abs().mean() < 2.0
+    loader = DataLoader(
+        Cropped(data, "cuda"),
+        batch_size=3,
+        num_workers=2,
+        collate_fn=collate_labelled,
+        device="cuda",
+    )
+    assert [(b[0].device.type, tuple(b[0].shape)) for b in loader] == [("cuda", (3, 3, 48, 48))] * 2
+
+
+def test_encoded_images_batch_only_with_their_own_kind():
+    crop = RandomResizedCrop(32, decode_on="cpu")
+    encoded, decoded = crop(jpeg()), RandomResizedCrop(32)(jpeg())
+    with pytest.raises(TypeError, match="image 0 is a EncodedImage, not a tensor"):
+        collate_images([encoded, decoded])
+    other = RandomResizedCrop(16, decode_on="cpu")(jpeg())
+    with pytest.raises(
+        ValueError, match=r"image 1 is \(16, 16\) RGB on cpu, but image 0 is \(32, 32\)"
+    ):
+        collate_images([encoded, other])
+    with pytest.raises(ValueError, match="out and pin_memory apply to decoded images"):
+        collate_images([encoded], pin_memory=True)
 
 
 # -- decode_video ------------------------------------------------------------------------------

@@ -20,27 +20,29 @@ from typing import Any, cast
 import torch
 
 from .failures import SKIPPED
+from .io.device_decode import EncodedBatch
 
 Transform = Callable[[Any], Any]
 
 
-def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``data`` with ``fn`` applied to every tensor, the structure (types included) unchanged.
+def map_tensors(data: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
+    """``data`` with ``fn`` applied to every tensor (every ``leaf``), the structure (types
+    included) unchanged.
 
     Walks what ``default_collate`` produces and more: mappings, lists, tuples, namedtuples and
     dataclasses; other leaves are returned as they are.
     """
-    if isinstance(data, torch.Tensor):
+    if isinstance(data, leaf):
         return fn(data)
     if isinstance(data, (str, bytes)):
         return data
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
         clone = copy.copy(data)
         for field in dataclasses.fields(data):
-            object.__setattr__(clone, field.name, map_tensors(getattr(data, field.name), fn))
+            object.__setattr__(clone, field.name, map_tensors(getattr(data, field.name), fn, leaf))
         return clone
     if isinstance(data, Mapping):
-        mapped = {key: map_tensors(value, fn) for key, value in data.items()}
+        mapped = {key: map_tensors(value, fn, leaf) for key, value in data.items()}
         try:
             copied: Any = copy.copy(data)  # any Mapping: update() may be missing
             copied.update(mapped)
@@ -48,9 +50,9 @@ def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         except (TypeError, AttributeError):  # immutable mappings, or no update()
             return cast(Callable[[dict[Any, Any]], Any], type(data))(mapped)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(map_tensors(item, fn) for item in data))
+        return type(data)(*(map_tensors(item, fn, leaf) for item in data))
     if isinstance(data, (list, tuple)):
-        mapped_items = [map_tensors(item, fn) for item in data]
+        mapped_items = [map_tensors(item, fn, leaf) for item in data]
         return mapped_items if type(data) is list else type(data)(mapped_items)
     return data
 
@@ -112,6 +114,9 @@ class DeviceTransfer:
         return InFlight(moved, event)
 
     def _move(self, batch: Any, non_blocking: bool) -> Any:
+        """Copy the batch's tensors to the device; decode its encoded images there, batched
+        (:mod:`torch_spdl.io.device_decode`), on the transfer stream like the copies."""
+        batch = map_tensors(batch, lambda encoded: encoded.decode(self.device), EncodedBatch)
         moved = map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
         return moved if self.transform is None else self.transform(moved)
 

@@ -18,13 +18,40 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import cast, overload
 
 import torch
 
+from .device_decode import EncodedBatch, EncodedImage
+
+
+@overload
+def collate_images(
+    images: Sequence[EncodedImage],
+    out: None = None,
+    *,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> EncodedBatch: ...
+
+
+@overload
+def collate_images(
+    images: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor: ...
+
 
 def collate_images(
-    images: Sequence[torch.Tensor], out: torch.Tensor | None = None, *, pin_memory: bool = False
-) -> torch.Tensor:
+    images: Sequence[torch.Tensor] | Sequence[EncodedImage],
+    out: torch.Tensor | None = None,
+    *,
+    pin_memory: bool = False,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor | EncodedBatch:
     """Copy same-shape, same-dtype images into one batch tensor, each into its own slot.
 
     ``out``, when given, must have shape ``(len(images), *image.shape)`` and the images' dtype;
@@ -32,12 +59,33 @@ def collate_images(
     ``pin_memory`` (when no accelerator is present this warns, as torch's DataLoader does, and
     allocates ordinary memory). A mismatched image is reported by its index. Images may be
     non-contiguous views (torchvision's decoders return channels-last memory): the copy lays them
-    out contiguously.
+    out contiguously. ``memory_format=torch.channels_last`` allocates a batch of ``C×H×W`` images
+    channels-last instead (the layout a model trained channels-last wants, and the one
+    :class:`~torch_spdl.io.RandomResizedCrop` returns, so each copy is a plain memcpy).
+
+    Images still encoded (:class:`~torch_spdl.io.EncodedImage`, from ``RandomResizedCrop`` with
+    ``decode_on``) become an :class:`~torch_spdl.io.EncodedBatch`, which the loader's transfer
+    stage decodes on its device.
     """
+    if images and all(isinstance(image, EncodedImage) for image in images):
+        if out is not None or pin_memory:
+            raise ValueError("out and pin_memory apply to decoded images, not encoded ones")
+        return EncodedBatch(cast(Sequence[EncodedImage], images))
+    images = cast(Sequence[torch.Tensor], images)
     shape, dtype, device = _check_images(images)
     expected = (len(images), *shape)
     if out is None:
-        out = torch.empty(expected, dtype=dtype, device=device, pin_memory=_pin(pin_memory, device))
+        if memory_format != torch.contiguous_format and len(expected) != 4:
+            raise ValueError(
+                f"memory_format={memory_format} needs C×H×W images, got {tuple(shape)}"
+            )
+        out = torch.empty(
+            expected,
+            dtype=dtype,
+            device=device,
+            pin_memory=_pin(pin_memory, device),
+            memory_format=memory_format,
+        )
     else:
         _check_out(out, expected, dtype, pin_memory)
     for slot, image in zip(out, images, strict=True):

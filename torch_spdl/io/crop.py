@@ -1,0 +1,213 @@
+"""``RandomResizedCrop`` and a horizontal flip straight from encoded bytes, in native ops.
+
+torchvision's classic transform decodes a PIL image, crops and resizes it in Pillow and converts
+it to a tensor: per-sample Python that holds the GIL for about a third of the sample's time, so
+threads running it top out near three cores. :class:`RandomResizedCrop` does the same work in a
+few calls that each release the GIL for nearly all of their time:
+
+1. the crop is drawn from the image's size, read from the JPEG header (no pixels decoded), with
+   one ``torch.rand`` call for all of RandomResizedCrop's tries (:func:`random_crop_box`);
+2. the whole image is decoded by libjpeg-turbo (torchvision's native decoder);
+3. the crop is copied out in channels-last layout, which torch's uint8 antialiased bilinear
+   kernel reads fastest, and resized by it (:func:`resized_crop`);
+4. the flip is one native ``flip``.
+
+The result has the classic transform's shape and dtype (uint8 ``C×size×size``) and its crop
+distribution; the pixels differ from Pillow's resize by rounding. It is channels-last in memory:
+:func:`~torch_spdl.io.collate_images` with ``memory_format=torch.channels_last`` then copies it
+into the batch as is.
+
+A JPEG much larger than the output (several megapixels for 224) decodes faster at a reduced DCT
+scale; that needs Pillow's draft mode, whose Python holds the GIL: use
+:func:`~torch_spdl.io.decode_image` with ``draft=True`` for such data sets.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .device_decode import Box, EncodedImage, gpu_decode_unavailable
+from .image import (
+    _JPEG_MAGIC,
+    _PNG_MAGIC,
+    ImageData,
+    Mode,
+    _decode,
+    _starts_with,
+    byte_tensor,
+    jpeg_dimensions,
+)
+
+TRIES = 10  # RandomResizedCrop's tries before it falls back to a centre crop
+
+
+def random_crop_box(
+    height: int,
+    width: int,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    generator: torch.Generator | None = None,
+) -> Box:
+    """``(top, left, height, width)`` drawn as ``RandomResizedCrop.get_params`` draws it.
+
+    The same rule (area uniform in ``scale``, log aspect ratio uniform in ``ratio``, up to ten
+    tries, then a centre crop of the nearest allowed ratio) and the same distribution, from
+    ``torch``'s generator (seeded per worker as torch's are) in one call instead of four per try.
+    """
+    _check(scale, ratio)
+    area = height * width
+    low, high = math.log(ratio[0]), math.log(ratio[1])
+    for u_area, u_ratio, u_top, u_left in torch.rand(TRIES, 4, generator=generator).tolist():
+        target = area * (scale[0] + (scale[1] - scale[0]) * u_area)
+        aspect = math.exp(low + (high - low) * u_ratio)
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(u_top * (height - h + 1)), int(u_left * (width - w + 1)), h, w
+    return _centre_crop(height, width, ratio)
+
+
+def _check(scale: Sequence[float], ratio: Sequence[float]) -> None:
+    if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
+        raise ValueError(f"scale and ratio must be increasing positive pairs: {scale}, {ratio}")
+
+
+def _centre_crop(height: int, width: int, ratio: Sequence[float]) -> Box:
+    """torchvision's fallback: the whole image, cut down to the nearest allowed aspect ratio."""
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def resized_crop(
+    image: torch.Tensor, box: Box, size: tuple[int, int], *, antialias: bool = True
+) -> torch.Tensor:
+    """``box`` of a uint8 ``C×H×W`` image resized to ``size``, channels-last in memory.
+
+    The crop is made channels-last contiguous first: torch's uint8 bilinear kernel runs its fast
+    path on such input, and the copy costs less than the slow path saves.
+    """
+    top, left, height, width = box
+    crop = image[None, :, top : top + height, left : left + width]
+    crop = crop.contiguous(memory_format=torch.channels_last)
+    if (height, width) == tuple(size):
+        return crop[0]
+    out = F.interpolate(crop, size=size, mode="bilinear", antialias=antialias)
+    return out.contiguous(memory_format=torch.channels_last)[0]  # as is, unless N=1 misled it
+
+
+def image_size(encoded: torch.Tensor) -> tuple[int, int] | None:
+    """``(height, width)`` from a JPEG's or PNG's header; None for other formats."""
+    if _starts_with(encoded, _PNG_MAGIC):
+        if len(encoded) < 24 or encoded[12:16].numpy().tobytes() != b"IHDR":
+            return None
+        width, height = struct.unpack(">II", encoded[16:24].numpy().tobytes())
+        return height, width
+    return jpeg_dimensions(encoded) if _starts_with(encoded, _JPEG_MAGIC) else None
+
+
+class RandomResizedCrop:
+    """Encoded image → RandomResizedCrop(``size``) and a horizontal flip with probability
+    ``flip``, as a uint8 ``C×size×size`` tensor (channels-last in memory); see the module.
+
+    ``scale`` and ``ratio`` are torchvision's; ``mode`` is :func:`~torch_spdl.io.decode_image`'s.
+    ``decode_on="cuda"`` draws the crop and flip here but leaves the decode to the loader's
+    transfer stage (``device="cuda"``), batched on the GPU: it returns an
+    :class:`~torch_spdl.io.EncodedImage`, which ``collate_images`` batches
+    (:mod:`torch_spdl.io.device_decode`). ``decode_on="cpu"`` takes that path on the CPU.
+    Random draws come from torch's generator, so a loader's per-worker seeding applies.
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        *,
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3 / 4, 4 / 3),
+        flip: float = 0.5,
+        mode: Mode = "RGB",
+        antialias: bool = True,
+        decode_on: torch.device | str | None = None,
+    ) -> None:
+        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if min(self.size) <= 0:
+            raise ValueError(f"size must be positive, got {size!r}")
+        if not 0.0 <= flip <= 1.0:
+            raise ValueError(f"flip is a probability, got {flip}")
+        self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), flip
+        self.mode, self.antialias = mode, antialias
+        _check(self.scale, self.ratio)
+        self.decode_on = None if decode_on is None else torch.device(decode_on)
+        self._warned = False
+
+    def __call__(self, data: ImageData) -> torch.Tensor | EncodedImage:
+        encoded = byte_tensor(data)
+        size = image_size(encoded)
+        image = None
+        if size is None:  # neither JPEG nor PNG: the size is known once decoded
+            image = _decode(encoded, self.mode)
+            size = (image.shape[-2], image.shape[-1])
+        box = random_crop_box(*size, self.scale, self.ratio)
+        if self._deferred():
+            check_structure(encoded)
+            flip = bool(self.flip) and torch.rand(()).item() < self.flip
+            assert self.decode_on is not None  # _deferred() says so
+            return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on)
+        if image is None:
+            image = _decode(encoded, self.mode)
+        if tuple(image.shape[-2:]) != size:
+            raise ValueError(
+                f"the image decodes to {tuple(image.shape[-2:])} pixels, but its header says {size}"
+            )
+        out = resized_crop(image, box, self.size, antialias=self.antialias)
+        if self.flip and torch.rand(()).item() < self.flip:
+            out = out.flip(-1)
+        return out
+
+    def _deferred(self) -> bool:
+        """Whether to leave the decode to the loader's transfer stage on ``decode_on``; where
+        that cannot be done, the CPU decodes, and says why once."""
+        if self.decode_on is None:
+            return False
+        why = gpu_decode_unavailable(self.decode_on)
+        if why is None:
+            return True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"RandomResizedCrop(decode_on={str(self.decode_on)!r}): {why}; images are "
+                "decoded on the CPU, in preprocess",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+            f"flip={self.flip}, mode={self.mode!r}, decode_on={self.decode_on})"
+        )
+
+
+def check_structure(encoded: torch.Tensor) -> None:
+    """Refuse a JPEG cut short (no end-of-image marker near its end) before it joins a batch
+    decoded on the device, where its failure would fail the batch; here it fails its sample."""
+    if not _starts_with(encoded, _JPEG_MAGIC):
+        return
+    tail = encoded[-64:].numpy().tobytes()
+    if b"\xff\xd9" not in tail:
+        raise ValueError(f"the JPEG ({len(encoded)} bytes) is truncated: it has no end marker")
+
+
+__all__ = ["Box", "RandomResizedCrop", "image_size", "random_crop_box", "resized_crop"]

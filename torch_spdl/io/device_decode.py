@@ -1,0 +1,184 @@
+"""Decoding on the device: JPEG bytes cross to the loader's transfer stage, which decodes a whole
+batch at once on the GPU (nvJPEG) and crops, resizes and flips it there.
+
+A dataset's ``preprocess`` uses :class:`~torch_spdl.io.RandomResizedCrop` with
+``decode_on="cuda"``: it reads the image's size from the header, draws the crop and the flip on
+the CPU (the same draws as the CPU path, so the same crop distribution), checks the file's
+structure, and returns an :class:`EncodedImage` instead of pixels. ``collate_images`` makes an
+:class:`EncodedBatch` of them, and the loader's transfer stage (``device="cuda"``) decodes it on
+its own CUDA stream, overlapped with the model, into the uint8 ``N×C×size×size`` batch the CPU
+path would have made:
+
+1. one batched decode of every JPEG (:func:`batch_decoder`: torchvision's nvJPEG op; other
+   formats are decoded on the CPU and copied);
+2. the images copied into one padded batch (their last row and column repeated, so that no crop
+   at an image's edge reads padding);
+3. every crop resized at once by ``torchvision.ops.roi_align`` (bilinear samples averaged over
+   each output pixel's footprint: an antialiased downscale), flips by one indexed ``flip``, then
+   rounded back to uint8.
+
+The pixels are close to the CPU path's (``roi_align``'s averaging is not torch's antialiased
+bilinear kernel), with the same shape, dtype and crop distribution. Where no GPU decoder is
+available, :class:`~torch_spdl.io.RandomResizedCrop` says why once and decodes on the CPU
+instead. ``decode_on="cpu"`` runs this very path on the CPU: a stand-in that tests its logic on a
+machine without a GPU.
+
+A corrupt file whose structure checks out can still fail the batched decode; each image is then
+decoded alone to find which, and the batch fails naming their positions in it. (Structure errors,
+the common case, fail in ``preprocess``, per sample, within ``max_failures``.)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchvision.io import ImageReadMode
+from torchvision.ops import roi_align
+
+from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
+
+Box = tuple[int, int, int, int]  # top, left, height, width
+Decode = Callable[[list[torch.Tensor], ImageReadMode, torch.device], list[torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    """One image still encoded, with the crop and flip already drawn for it."""
+
+    data: torch.Tensor  # the encoded bytes, uint8, 1-D
+    box: Box  # in the full image's pixels
+    flip: bool
+    size: tuple[int, int]  # the output's (height, width)
+    mode: Mode
+    device: torch.device  # where the transfer stage decodes it
+
+
+class EncodedBatch:
+    """The encoded images of one batch; :meth:`decode` makes the uint8 ``N×C×H×W`` batch.
+
+    The transfer stage decodes it on its device; on the CPU it is decoded where it is asked."""
+
+    def __init__(self, images: Sequence[EncodedImage]) -> None:
+        if not images:
+            raise ValueError("an EncodedBatch needs at least one image")
+        first = images[0]
+        for position, image in enumerate(images):
+            if (image.size, image.mode, image.device) != (first.size, first.mode, first.device):
+                raise ValueError(
+                    f"image {position} is {image.size} {image.mode} on {image.device}, but image "
+                    f"0 is {first.size} {first.mode} on {first.device}"
+                )
+        self.images = list(images)
+        self.size, self.mode, self.device = first.size, first.mode, first.device
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __repr__(self) -> str:
+        return f"EncodedBatch({len(self)} images to {self.size} {self.mode}, on {self.device})"
+
+    def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The batch decoded, cropped, resized and flipped on ``device`` (default: its own)."""
+        device = torch.device(device) if device is not None else self.device
+        decoded = decode_all([image.data for image in self.images], self.mode, device)
+        boxes, flips = [image.box for image in self.images], [image.flip for image in self.images]
+        return crop_batch(decoded, boxes, self.size, flips)
+
+
+def decode_all(encoded: list[torch.Tensor], mode: Mode, device: torch.device) -> list[torch.Tensor]:
+    """Each image decoded to ``mode`` on ``device``: the JPEGs in one batched call."""
+    read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
+    decode = batch_decoder(device)
+    jpegs = [i for i, data in enumerate(encoded) if _starts_with(data, _JPEG_MAGIC)]
+    images: list[torch.Tensor | None] = [None] * len(encoded)
+    if jpegs and decode is not None and mode in ("RGB", "L"):
+        try:
+            found = decode([encoded[i] for i in jpegs], read_mode, device)
+        except RuntimeError:
+            found = [_decode_alone(encoded[i], mode, device, decode, i) for i in jpegs]
+        for i, decoded in zip(jpegs, found, strict=True):
+            images[i] = decoded
+    # the rest: not JPEGs, a mode nvJPEG lacks, or no device decoder
+    return [
+        _decode_alone(encoded[i], mode, device, None, i) if image is None else image
+        for i, image in enumerate(images)
+    ]
+
+
+def _decode_alone(
+    data: torch.Tensor, mode: Mode, device: torch.device, decode: Decode | None, position: int
+) -> torch.Tensor:
+    """One image, to find out which of a batch fails; the error names its position."""
+    try:
+        if decode is not None:
+            read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
+            return decode([data], read_mode, device)[0]
+        return _decode(data, mode).to(device)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"image {position} of the batch could not be decoded on {device}: {error}"
+        ) from error
+
+
+def crop_batch(
+    images: list[torch.Tensor], boxes: Sequence[Box], size: tuple[int, int], flips: list[bool]
+) -> torch.Tensor:
+    """Crop ``boxes`` of ``images`` (uint8 ``C×H×W``, one device), resize them to ``size`` and
+    flip where asked, in a few batched ops: uint8 ``N×C×size``."""
+    device, channels = images[0].device, images[0].shape[0]
+    height = max(image.shape[-2] for image in images) + 1
+    width = max(image.shape[-1] for image in images) + 1
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    padded = torch.empty(len(images), channels, height, width, dtype=dtype, device=device)
+    for slot, image in zip(padded, images, strict=True):
+        h, w = image.shape[-2:]
+        slot[:, :h, :w].copy_(image)
+        slot[:, :h, w].copy_(image[:, :, w - 1])  # the edge repeated: a crop there reads it
+        slot[:, h, : w + 1].copy_(slot[:, h - 1, : w + 1])
+    rois = torch.tensor(
+        [[n, left, top, left + w, top + h] for n, (top, left, h, w) in enumerate(boxes)],
+        dtype=dtype,
+        device=device,
+    )
+    out = roi_align(padded, rois, size, spatial_scale=1.0, sampling_ratio=0, aligned=True)
+    flip = torch.tensor(flips, device=device)
+    out = torch.where(flip[:, None, None, None], out.flip(-1), out)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+@functools.cache
+def batch_decoder(device: torch.device) -> Decode | None:
+    """The batched JPEG decoder for ``device``: torchvision's nvJPEG op on CUDA (called directly,
+    as its deprecated Python wrapper would, without the warning); None where there is none (a
+    CPU device, or a torchvision built without nvJPEG), and images are decoded one by one."""
+    if device.type != "cuda":
+        return None
+    try:
+        op = torch.ops.image.decode_jpegs_cuda
+    except (AttributeError, RuntimeError):
+        return None
+    return lambda data, mode, where: list(op(data, mode.value, where))
+
+
+def gpu_decode_unavailable(device: torch.device) -> str | None:
+    """Why JPEGs cannot be decoded on ``device`` in the transfer stage; None if they can."""
+    if device.type != "cuda":
+        return None  # a CPU stand-in: the same path, decoded by the CPU
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    if batch_decoder(device) is None:
+        return "this torchvision has no nvJPEG decoder (torch.ops.image.decode_jpegs_cuda)"
+    return None
+
+
+__all__ = [
+    "EncodedBatch",
+    "EncodedImage",
+    "batch_decoder",
+    "crop_batch",
+    "decode_all",
+    "gpu_decode_unavailable",
+]
