@@ -19,6 +19,11 @@ Usage::
     python benchmarks/train_e2e.py [--data DIR] [--workers 15] [--batch-size 256]
                                    [--steps 60] [--warmup 10] [--rounds 3]
                                    [--loaders torch,torch_spdl,torch_spdl:process]
+
+Loaders: ``torch``; ``torch_spdl`` (the import swapped) and ``torch_spdl:<worker_method>``;
+``torch_spdl:fast`` (workload A's hooks with :class:`torch_spdl.io.RandomResizedCrop`, native
+ops that release the GIL); ``torch_spdl:gpu-decode`` (the same with ``decode_on="cuda"``: JPEGs
+decoded, cropped and flipped on the GPU in the transfer stage).
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ from torchvision import transforms
 
 import torch_spdl
 from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
+from torch_spdl.bench.images import FastImages, collate
+from torch_spdl.io import RandomResizedCrop
 
+FAST, GPU = ("torch_spdl:fast", "torch_spdl:gpu-decode"), "torch_spdl:gpu-decode"
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 
@@ -117,6 +125,12 @@ def loader_batches(
     cuda = device.type == "cuda"
     if name == "torch":
         loader: Any = torch.utils.data.DataLoader(folder, pin_memory=cuda, **common)
+    elif name in FAST:
+        transform = RandomResizedCrop(224, decode_on="cuda" if name == GPU else None)
+        dataset = FastImages(folder.samples, transform)
+        loader = torch_spdl.DataLoader(
+            dataset, collate_fn=collate, io_workers=4, device=device if cuda else None, **common
+        )
     else:
         method = name.partition(":")[2] or None
         extra = {"worker_method": method} if method else {}

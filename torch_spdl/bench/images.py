@@ -9,10 +9,10 @@ Three loaders read the same files:
   swapped and nothing else. The loader splits the ImageFolder by itself into reading bytes and
   decoding + transforming (:mod:`torch_spdl.folder`).
 - ``torch_spdl hooks``: :class:`FastImages`, a ``StagedDataset`` over the same files whose
-  ``load`` reads the bytes and whose ``preprocess`` decodes with :func:`torch_spdl.io.decode_image`
-  (libjpeg-turbo through torchvision, no PIL image in between) and crops, resizes and flips the
-  uint8 tensor with torchvision's v2 kernels; batches are collated by
-  :func:`torch_spdl.io.collate_images` into one preallocated tensor.
+  ``load`` reads the bytes and whose ``preprocess`` is :class:`torch_spdl.io.RandomResizedCrop`
+  (the crop drawn from the JPEG header, libjpeg-turbo's decode, torch's uint8 resize and flip:
+  native calls that release the GIL); batches are collated by
+  :func:`torch_spdl.io.collate_images` into one preallocated channels-last tensor.
 
 All three yield ``(images, labels)`` with images of shape ``(64, 3, 224, 224)`` and dtype uint8,
 which every measurement asserts on its first batch. The "2-core limit" is twice the rate of the
@@ -23,22 +23,19 @@ in the same rounds.
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils.data
-from PIL import Image
 from torchvision import datasets, transforms
-from torchvision.transforms.v2 import functional as F
 
 import torch_spdl
-from torch_spdl.io import collate_images, decode_image
-from torch_spdl.io.image import byte_tensor, jpeg_dimensions
+from torch_spdl.io import EncodedImage, RandomResizedCrop, collate_images
+from torch_spdl.io.device_decode import gpu_decode_unavailable
 
 from .measure import TORCH, Variant
-from .series import HOOKS, PLAIN, SWAPPED, ImageOptions
+from .series import GPU_DECODE, HOOKS, PLAIN, SWAPPED, ImageOptions
 
 SIZE = 224
 BATCH = 64
@@ -59,75 +56,25 @@ def classic_transform() -> transforms.Compose:
 
 
 # -- the fast path -------------------------------------------------------------------------------
-def crop_params(height: int, width: int) -> tuple[int, int, int, int]:
-    """``(top, left, height, width)`` drawn exactly as ``RandomResizedCrop`` draws them.
-
-    torchvision's sampler reads only the image's size; an empty tensor of that size stands in for
-    the image, so the crop can be chosen before anything is decoded.
-    """
-    top, left, h, w = transforms.RandomResizedCrop.get_params(
-        torch.empty(0, height, width), list(SCALE), list(RATIO)
-    )
-    return int(top), int(left), int(h), int(w)
-
-
-def reduction(crop_height: int, crop_width: int) -> int:
-    """The JPEG DCT scale-down (1, 2, 4 or 8) that still leaves the crop at least SIZE each way.
-
-    Decoding at 1/s costs less (fewer pixels to inverse-transform and convert) and loses nothing
-    the final downscale to SIZE would keep, as long as the reduced crop is not smaller than SIZE.
-    """
-    factor = min(crop_height, crop_width) // SIZE
-    return next(s for s in (8, 4, 2, 1) if s <= max(factor, 1))
-
-
-def decode_reduced(data: bytearray, scale: int) -> torch.Tensor:
-    """A JPEG decoded at 1/``scale`` of its size by libjpeg's DCT scaling (Pillow's draft mode)."""
-    with Image.open(io.BytesIO(data)) as image:
-        image.draft("RGB", (image.width // scale, image.height // scale))
-        return F.pil_to_tensor(image.convert("RGB"))
-
-
-def fast_transform(data: bytearray) -> torch.Tensor:
-    """Encoded JPEG → RandomResizedCrop(224) + horizontal flip, as a uint8 ``3×224×224`` tensor.
-
-    The crop is drawn from the JPEG header's size first; when it is at least twice 224 pixels
-    each way the image is decoded at a reduced scale (see :func:`reduction`), otherwise fully
-    with :func:`torch_spdl.io.decode_image`. Same output shape, dtype and crop distribution as
-    :func:`classic_transform`.
-    """
-    encoded = byte_tensor(data)
-    dimensions = jpeg_dimensions(encoded)
-    if dimensions is None:  # not a JPEG: decode first to learn the size
-        image = decode_image(encoded)
-        dimensions = (image.shape[-2], image.shape[-1])
-    else:
-        image = None
-    top, left, height, width = crop_params(*dimensions)
-    scale = reduction(height, width)
-    if scale > 1 and image is None:  # draft mode is JPEG's: a decoded non-JPEG stays as it is
-        image = decode_reduced(data, scale)
-        # libjpeg rounds the reduced size up: map the crop with the sizes it really produced
-        rows, cols = image.shape[-2:]
-        fy, fx = rows / dimensions[0], cols / dimensions[1]
-        top, left = int(top * fy), int(left * fx)
-        height, width = min(round(height * fy), rows - top), min(round(width * fx), cols - left)
-    elif image is None:
-        image = decode_image(encoded)
-    out = F.resized_crop(image, top, left, height, width, [SIZE, SIZE], antialias=True)
-    if torch.rand(1).item() < 0.5:
-        out = F.horizontal_flip(out)
-    return out
+fast_transform = RandomResizedCrop(SIZE, scale=SCALE, ratio=RATIO)
+"""Encoded JPEG → RandomResizedCrop(224) + horizontal flip, as a uint8 ``3×224×224`` tensor, in
+native calls that release the GIL (:class:`torch_spdl.io.RandomResizedCrop`): same output shape,
+dtype and crop distribution as :func:`classic_transform`."""
 
 
 class FastImages(torch_spdl.StagedDataset):
     """An ImageFolder's ``(path, class)`` samples as ``load`` (bytes) and ``preprocess`` (tensor).
 
     ``__getitem__`` is ``preprocess(load(index))``, so torch's DataLoader can read it too.
+    ``transform``: the fast path by default; one with ``decode_on="cuda"`` leaves the decode to
+    the loader's transfer stage.
     """
 
-    def __init__(self, samples: Sequence[tuple[str, int]]) -> None:
+    def __init__(
+        self, samples: Sequence[tuple[str, int]], transform: RandomResizedCrop = fast_transform
+    ) -> None:
         self.samples = list(samples)
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -137,15 +84,17 @@ class FastImages(torch_spdl.StagedDataset):
         with open(path, "rb") as file:
             return bytearray(file.read()), label
 
-    def preprocess(self, raw: tuple[bytearray, int]) -> tuple[torch.Tensor, int]:
+    def preprocess(self, raw: tuple[bytearray, int]) -> tuple[torch.Tensor | EncodedImage, int]:
         data, label = raw
-        return fast_transform(data), label
+        return self.transform(data), label
 
 
-def collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images into one ``N×3×224×224`` uint8 tensor allocated once; labels as int64."""
+def collate(samples: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
+    """Images into one ``N×3×224×224`` uint8 tensor allocated once, channels-last as the fast
+    path makes them (a model trained channels-last takes it as is), or into an
+    :class:`~torch_spdl.io.EncodedBatch` for the transfer stage to decode; labels as int64."""
     images, labels = zip(*samples, strict=True)
-    return collate_images(images), torch.tensor(labels)
+    return collate_images(images, memory_format=torch.channels_last), torch.tensor(labels)
 
 
 # -- the variants --------------------------------------------------------------------------------
@@ -211,4 +160,22 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
         )
         for w in ws
     ]
+    if gpu_decode_unavailable(torch.device("cuda")) is None:
+        on_gpu = FastImages(folder.samples, RandomResizedCrop(SIZE, decode_on="cuda"))
+        variants += [
+            loader(
+                GPU_DECODE,
+                w,
+                lambda w=w: torch_spdl.DataLoader(
+                    on_gpu,
+                    num_workers=w,
+                    io_workers=IO_WORKERS,
+                    collate_fn=collate,
+                    device="cuda",
+                    **common,
+                ),
+                note="decoded, cropped and flipped on the GPU in the transfer stage",
+            )
+            for w in ws
+        ]
     yield variants

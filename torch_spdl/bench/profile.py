@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from torchvision import datasets
 
 from torch_spdl.io import decode_image
 
-from .images import classic_transform, crop_params, fast_transform, reduction
+from ..auto import Tally, ThreadClock
+from .images import classic_transform, fast_transform
 from .measure import Variant, intra_op_threads, measure
 from .memory import cpu_seconds, tree
 
@@ -60,21 +61,7 @@ def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
             for i in range(len(raw)):
                 step(i)
             costs[name] = (time.thread_time() - start) / len(raw) * 1000
-    costs["draft-eligible crops (%)"] = 100 * draft_eligible(folder.samples[:images])
     return costs
-
-
-def draft_eligible(samples: Sequence[tuple[str, int]], draws: int = 20) -> float:
-    """The fraction of RandomResizedCrop draws on these images that a reduced decode could serve."""
-    hits = total = 0
-    for path, _ in samples:
-        with Image.open(path) as image:
-            width, height = image.size
-        for _ in range(draws):
-            _, _, h, w = crop_params(height, width)
-            hits += reduction(h, w) > 1
-            total += 1
-    return hits / total
 
 
 def pool_rate(work: Callable[[int], Any], items: int, threads: int) -> float:
@@ -100,18 +87,70 @@ def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, f
         "fast path": lambda i: fast_transform(bytearray(Path(paths[i]).read_bytes())),
     }
     rates: dict[tuple[str, int], list[float]] = {}
+    held: dict[str, list[float]] = {}
     with intra_op_threads(1):
         for _ in range(rounds):
             for name, work in works.items():
                 for threads in (1, 2):
                     rates.setdefault((name, threads), []).append(pool_rate(work, count, threads))
+                held.setdefault(name, []).append(gil_held(work, count))
     found = {}
     for name in works:
         one, two = (statistics.median(rates[name, t]) for t in (1, 2))
         found[f"{name}, 1 thread (samples/s)"] = one
         found[f"{name}, 2 threads (samples/s)"] = two
         found[f"{name}, speed-up at 2 threads"] = two / one
+        found[f"{name}, GIL held (% of its time)"] = 100 * statistics.median(held[name])
     return found
+
+
+def gil_held(work: Callable[[int], Any], items: int) -> float:
+    """The share of ``work``'s own time (one thread, ``work(i)`` for ``i < items``) that holds
+    the GIL, measured the way ``worker_method="auto"`` measures GIL waits.
+
+    A thread that always needs the GIL (a counting loop) runs beside ``work``; the time it spends
+    neither on a CPU nor queued for one (:class:`~torch_spdl.auto.ThreadClock`: wall less CPU
+    less run-queue time) is time the GIL was held elsewhere, by ``work`` or in a hand-off between
+    the two (counted as held, so the figure errs high). Divided by ``work``'s time alone. Other
+    load on the machine queues the counter rather than making it wait, so it barely moves the
+    figure; a GIL-free build reads about 0.
+    """
+    start = time.perf_counter()
+    for i in range(items):
+        work(i)
+    alone = time.perf_counter() - start
+    with _Counter() as counter:
+        for i in range(items):
+            work(i)
+    return counter.waited.waiting_s / alone
+
+
+class _Counter:
+    """A thread that needs the GIL all the time, timing its own wait for it, for the length of
+    a ``with`` block."""
+
+    def __init__(self) -> None:
+        self.waited = Tally()
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil counter")
+
+    def _run(self) -> None:
+        stopped, count = self._stop.is_set, 0
+        began = ThreadClock.read()
+        self._started.set()
+        while not stopped():
+            count += 1
+        self.waited.add(began, ThreadClock.read())
+
+    def __enter__(self) -> _Counter:
+        self._thread.start()
+        self._started.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _group(thread: threading.Thread | None) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 SWAPPED = "torch_spdl"
 HOOKS = "torch_spdl hooks+fast path"
+GPU_DECODE = "torch_spdl hooks+GPU decode"  # workload A where a GPU decoder is present
 PLAIN = "plain loop, 1 thread"
 # workload D's series besides torch's and the swapped import's (SWAPPED)
 SPDL_PROCESS = "torch_spdl process"
