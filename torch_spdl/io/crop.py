@@ -201,13 +201,12 @@ class RandomResizedCrop:
 
 
 def check_structure(encoded: torch.Tensor) -> None:
-    """Refuse a JPEG cut short (no end-of-image marker near its end) before it joins a batch
-    decoded on the device, where its failure would fail the batch; here it fails its sample."""
+    """Refuse a JPEG cut short (no end-of-image marker after its last scan) before it joins a
+    batch decoded on the device, where its failure would fail the batch; here it fails its
+    sample. (0xFFD9 cannot occur inside a scan, whose 0xFF bytes are stuffed.)"""
     if not _starts_with(encoded, _JPEG_MAGIC):
         return
-    tail = encoded[-64:].numpy().tobytes()
-    if b"\xff\xd9" not in tail:
-        raise ValueError(f"the JPEG ({len(encoded)} bytes) is truncated: it has no end marker")
-
-
-__all__ = ["Box", "RandomResizedCrop", "image_size", "random_crop_box", "resized_crop"]
+    data = encoded.numpy().tobytes()
+    scan = data.rfind(b"\xff\xda")
+    if scan < 0 or data.rfind(b"\xff\xd9") < scan:
+        raise ValueError(f"the JPEG ({len(data)} bytes) is truncated: no end marker after its scan")
