@@ -14,7 +14,9 @@ else), at worker counts that follow the host (1, half the cores, all of them):
   work holds the GIL for much of its time; also with ``worker_method="process"``;
 - the tensor path: the same files read as bytes, decoded by :func:`torch_spdl.io.decode_image`
   (libjpeg-turbo) and cropped, resized and flipped by torchvision's v2 transforms on uint8
-  tensors, work that releases the GIL.
+  tensors, work that releases the GIL;
+- and torch_spdl alone: workload A's fast path (``load``/``preprocess`` hooks with
+  :class:`torch_spdl.io.RandomResizedCrop`, a few native calls per sample).
 
 Each measurement reports samples/s, the consumer's step time (against ``consumer alone``) and
 the main process's CPU per 1,000 samples, the consumer's own steps left out.
@@ -37,9 +39,17 @@ import torch_spdl
 from torch_spdl.io import decode_image
 from torch_spdl.io.image import byte_tensor
 
-from .images import BATCH, SIZE, check_batch, classic_transform
+from .images import BATCH, IO_WORKERS, SIZE, FastImages, check_batch, classic_transform, collate
 from .measure import TORCH, Variant
-from .series import ALONE, SPDL_PROCESS, SPDL_TENSOR, SWAPPED, TORCH_TENSOR, TrainingOptions
+from .series import (
+    ALONE,
+    HOOKS,
+    SPDL_PROCESS,
+    SPDL_TENSOR,
+    SWAPPED,
+    TORCH_TENSOR,
+    TrainingOptions,
+)
 
 
 class Step:
@@ -141,8 +151,17 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             variant(SWAPPED, w, ours, "PIL path, default worker_method"),
             variant(SPDL_PROCESS, w, lambda ours=ours: ours(worker_method="process"), "PIL path"),
         ]
+    fast = FastImages(pil.samples)
     for w in options.workers:
         variants += [
+            variant(
+                HOOKS,
+                w,
+                lambda w=w: torch_spdl.DataLoader(
+                    fast, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
+                ),
+                f"A's fast path (torch_spdl.io.RandomResizedCrop), io_workers={IO_WORKERS}",
+            ),
             variant(
                 TORCH_TENSOR,
                 w,
