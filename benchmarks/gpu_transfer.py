@@ -15,6 +15,7 @@ Usage: ``python benchmarks/gpu_transfer.py [--steps 50] [--rounds 3] [--batch-si
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -90,6 +91,17 @@ def train_stall(loader, to_device, steps: int) -> tuple[float, float]:
     return blocked / wall, wall / steps
 
 
+def raise_open_file_limit() -> None:
+    """torch's workers pass each shared tensor to the main process as a file descriptor; with
+    many workers and batches in flight that can reach the default soft limit of 1,024 open files,
+    and a worker dies ("worker exited unexpectedly", seen on the 16-core GPU host). The hard
+    limit is usually far higher: raise the soft one to it, as a training script would."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        wanted = 65536 if hard == resource.RLIM_INFINITY else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=50)
@@ -102,6 +114,7 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
+    raise_open_file_limit()
 
     batch = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8).pin_memory()
     transfer = DeviceTransfer(device, None)

@@ -227,6 +227,8 @@ def test_pinned_staging_is_reused_and_memory_does_not_grow():
     for _ in range(1000):
         next(it)
     torch.cuda.synchronize()
-    assert torch.cuda.host_memory_stats()["num_host_alloc"] == host_blocks
+    # a leak would add a block per batch; the cache may add one or two where more batches than
+    # during the warm-up happen to be in flight at once (21 -> 22 once on an H100 host)
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] <= host_blocks + 2
     assert torch.cuda.memory_allocated() <= device_bytes + 8 * 3 * 64 * 64
     del it
