@@ -479,6 +479,13 @@ class Cropped(StagedDataset):
         return self.crop(raw), len(raw)
 
 
+def cropped_loader(images: list[bytes], decode_on: str | None, **options: Any) -> DataLoader:
+    """A loader of :class:`Cropped` batches of 3 (labelled), on 2 workers, with device="cpu"
+    unless ``options`` say otherwise."""
+    options = {"batch_size": 3, "num_workers": 2, "device": "cpu", **options}
+    return DataLoader(Cropped(images, decode_on), collate_fn=collate_labelled, **options)
+
+
 def varied_images(count: int = 10) -> list[bytes]:
     return [jpeg(120 + 9 * i, 160 - 5 * i, seed=i) for i in range(count)]
 
@@ -527,21 +534,12 @@ def test_the_transfer_stage_decodes_encoded_batches():
     batches = {}
     for decode_on in (None, "cpu"):
         torch.manual_seed(5)  # num_workers=0: the draws come in the same order on both
-        loader = DataLoader(
-            Cropped(images, decode_on), batch_size=4, collate_fn=collate_labelled, device="cpu"
-        )
-        batches[decode_on] = list(loader)
+        batches[decode_on] = list(cropped_loader(images, decode_on, batch_size=4, num_workers=0))
     for ours, cpu in zip(batches["cpu"], batches[None], strict=True):
         assert isinstance(ours[0], torch.Tensor) and ours[0].shape == cpu[0].shape
         assert ours[0].dtype == torch.uint8 and torch.equal(ours[1], cpu[1])
         assert (ours[0].float() - cpu[0].float()).abs().mean() < 2.0
-    threaded = DataLoader(
-        Cropped(images, "cpu"),
-        batch_size=4,
-        num_workers=2,
-        collate_fn=collate_labelled,
-        device="cpu",
-    )
+    threaded = cropped_loader(images, "cpu", batch_size=4)
     assert [b[1].tolist() for b in threaded] == [b[1].tolist() for b in batches[None]]
 
 
@@ -550,23 +548,10 @@ def test_a_truncated_jpeg_fails_its_sample_in_preprocess():
     images = varied_images(6)
     images[3] = images[3][:-200]
     images[4] = images[4] + bytes(5000)  # data after the end marker is no truncation
-    dataset = Cropped(images, "cpu")
-    loader = DataLoader(
-        dataset, batch_size=3, num_workers=2, collate_fn=collate_labelled, device="cpu"
-    )
-    with pytest.raises(
-        ValueError, match=r"(?s)dataset index 3.*truncated: no end marker after its scan"
-    ):
-        list(loader)
-    tolerant = DataLoader(
-        dataset,
-        batch_size=3,
-        num_workers=2,
-        collate_fn=collate_labelled,
-        device="cpu",
-        max_failures=1,
-    )
-    assert [len(b[1]) for b in tolerant] == [3, 2]
+    truncated = r"(?s)dataset index 3.*truncated: no end marker after its scan"
+    with pytest.raises(ValueError, match=truncated):
+        list(cropped_loader(images, "cpu"))
+    assert [len(b[1]) for b in cropped_loader(images, "cpu", max_failures=1)] == [3, 2]
 
 
 def test_a_batch_that_fails_to_decode_names_the_image():
@@ -607,13 +592,7 @@ def test_a_gpu_decodes_the_batch_as_the_cpu_stand_in_does():
     on_gpu = encoded.decode()
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.uint8
     assert (on_gpu.cpu().float() - stand_in.float()).abs().mean() < 2.0
-    loader = DataLoader(
-        Cropped(data, "cuda"),
-        batch_size=3,
-        num_workers=2,
-        collate_fn=collate_labelled,
-        device="cuda",
-    )
+    loader = cropped_loader(data, "cuda", device="cuda")
     assert [(b[0].device.type, tuple(b[0].shape)) for b in loader] == [("cuda", (3, 3, 48, 48))] * 2
 
 
