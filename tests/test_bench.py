@@ -373,6 +373,7 @@ def test_training_variants_yield_checked_batches_and_measure_the_consumer(tmp_pa
             series.SPDL_PROCESS,
             series.TORCH_TENSOR,
             series.SPDL_TENSOR,
+            series.HOOKS,
         }
         for variant in variants:
             if variant.loader in ("torch", series.SPDL_PROCESS):

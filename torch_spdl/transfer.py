@@ -10,6 +10,7 @@ caching allocator cannot hand the memory to the side stream again while the mode
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
 import os
@@ -20,9 +21,19 @@ from typing import Any, cast
 import torch
 
 from .failures import SKIPPED
-from .io.device_decode import EncodedBatch
 
 Transform = Callable[[Any], Any]
+
+
+class FinishedOnDevice(abc.ABC):
+    """A part of a batch that the transfer stage finishes on its device, on its stream, before
+    it copies the batch's tensors there: for example :class:`torch_spdl.io.EncodedBatch`, JPEGs
+    decoded on the GPU. Only media code makes such parts, so the transfer stage names this
+    interface rather than importing it."""
+
+    @abc.abstractmethod
+    def finish_on(self, device: torch.device) -> Any:
+        """What the batch holds in this part's place once on ``device``."""
 
 
 def map_tensors(data: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) -> Any:
@@ -114,9 +125,9 @@ class DeviceTransfer:
         return InFlight(moved, event)
 
     def _move(self, batch: Any, non_blocking: bool) -> Any:
-        """Copy the batch's tensors to the device; decode its encoded images there, batched
-        (:mod:`torch_spdl.io.device_decode`), on the transfer stream like the copies."""
-        batch = map_tensors(batch, lambda encoded: encoded.decode(self.device), EncodedBatch)
+        """Copy the batch's tensors to the device, after finishing the parts that are done
+        there (:class:`FinishedOnDevice`: decoding images), on the transfer stream as well."""
+        batch = map_tensors(batch, lambda part: part.finish_on(self.device), FinishedOnDevice)
         moved = map_tensors(batch, lambda t: t.to(self.device, non_blocking=non_blocking))
         return moved if self.transform is None else self.transform(moved)
 

@@ -38,6 +38,7 @@ import torch
 from torchvision.io import ImageReadMode
 from torchvision.ops import roi_align
 
+from ..transfer import FinishedOnDevice
 from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
 
 Box = tuple[int, int, int, int]  # top, left, height, width
@@ -56,7 +57,7 @@ class EncodedImage:
     device: torch.device  # where the transfer stage decodes it
 
 
-class EncodedBatch:
+class EncodedBatch(FinishedOnDevice):
     """The encoded images of one batch; :meth:`decode` makes the uint8 ``N×C×H×W`` batch.
 
     The transfer stage decodes it on its device; on the CPU it is decoded where it is asked."""
@@ -86,6 +87,10 @@ class EncodedBatch:
         decoded = decode_all([image.data for image in self.images], self.mode, device)
         boxes, flips = [image.box for image in self.images], [image.flip for image in self.images]
         return crop_batch(decoded, boxes, self.size, flips)
+
+    def finish_on(self, device: torch.device) -> torch.Tensor:
+        """The transfer stage's call: the batch decoded on its device."""
+        return self.decode(device)
 
 
 def decode_all(encoded: list[torch.Tensor], mode: Mode, device: torch.device) -> list[torch.Tensor]:
