@@ -229,6 +229,9 @@ class Made(Dataset):
             "channels_last": torch.arange(24.0)
             .reshape(1, 2, 3, 4)
             .to(memory_format=torch.channels_last),
+            # an image as decoders and torch_spdl.io make it: C×H×W over H×W×C memory
+            "hwc_image": torch.arange(60, dtype=torch.uint8).reshape(4, 5, 3).permute(2, 0, 1)
+            + index,
         }
 
 
@@ -352,6 +355,9 @@ def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
     for sample, reference in zip(got, expected, strict=True):
         assert sample["big"].is_shared() and not sample["small"].is_shared()
         assert sample["channels_last"].is_contiguous(memory_format=torch.channels_last)
+        # small tensors in any dense layout travel by value, in their own layout
+        assert not sample["hwc_image"].is_shared() and not sample["channels_last"].is_shared()
+        assert sample["hwc_image"].stride() == reference["hwc_image"].stride() == (1, 15, 3)
         for key, tensor in reference.items():
             assert sample[key].dtype == tensor.dtype and sample[key].shape == tensor.shape
             assert torch.equal(sample[key], tensor), key

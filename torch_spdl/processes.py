@@ -98,9 +98,18 @@ descriptor fetched from the sender over a socket with an authentication handshak
 results of a ``preprocess`` hook are mostly small, and a collated batch mostly large."""
 
 
-def _inline(tensor: torch.Tensor) -> bool:
-    """A plain, small, contiguous CPU tensor: its bytes, dtype and shape are all there is."""
-    return (
+def _dense_order(tensor: torch.Tensor) -> list[int] | None:
+    """The order of ``tensor``'s dimensions in memory, outermost first, where its elements fill
+    its memory without gaps in some order (contiguous, channels-last, any permutation of a
+    contiguous tensor); None for views with gaps or overlaps."""
+    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _inline(tensor: torch.Tensor) -> list[int] | None:
+    """For a plain, small CPU tensor that fills its memory (its bytes, dtype, shape and layout
+    are all there is), the order of its dimensions in memory; else None."""
+    if not (
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
@@ -108,23 +117,35 @@ def _inline(tensor: torch.Tensor) -> bool:
         and not tensor.is_quantized
         and not tensor.is_conj()
         and not tensor.is_neg()
-        and tensor.is_contiguous()
         and tensor.nbytes <= INLINE_BYTES
-    )
+    ):
+        return None
+    return _dense_order(tensor)
 
 
-def _rebuild_inline(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(data).view(dtype).reshape(shape)
+def _rebuild_inline(
+    data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], order: list[int] | None = None
+) -> torch.Tensor:
+    """The tensor :class:`_Pickler` sent, its memory layout (``order``) included."""
+    if order is None:
+        return torch.from_numpy(data).view(dtype).reshape(shape)
+    in_memory = [shape[d] for d in order]
+    back = sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
+    return torch.from_numpy(data).view(dtype).reshape(in_memory).permute(back)
 
 
 class _Pickler(ForkingPickler):
-    """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`)."""
+    """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`), in
+    their own memory layout: a channels-last image stays channels-last."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and _inline(obj):
-            data = obj.detach().reshape(-1).view(torch.uint8).numpy()
-            return _rebuild_inline, (data, obj.dtype, tuple(obj.shape))
-        return NotImplemented
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        order = _inline(obj)
+        if order is None:
+            return NotImplemented
+        data = obj.detach().permute(order).reshape(-1).view(torch.uint8).numpy()
+        return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
 
 
 def dumps(obj: Any) -> memoryview:
