@@ -405,12 +405,19 @@ def test_a_crop_no_try_fits_falls_back_to_torchvisions_centre_crop(shape):
     assert random_crop_box(*shape, scale=(0.9, 1.0), ratio=(5.0, 6.0)) == tuple(want)
 
 
+def same_up_to_rounding(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal but for rounding: torch 2.8's uint8 antialiased kernel rounds about 15 % of the
+    pixels of a channels-last input one grey level away from its contiguous path (2.15 gives
+    the same pixels). A wrong box, size or flip moves pixels by far more."""
+    return out.shape == want.shape and (out.int() - want.int()).abs().max().item() <= 1
+
+
 def test_resized_crop_equals_torchvisions_and_is_channels_last():
     image = decode_image(jpeg())
     for box in [(10, 20, 300, 250), (0, 0, 375, 500), (5, 7, 224, 224)]:
         out = resized_crop(image, box, (224, 224))
         assert out[None].is_contiguous(memory_format=torch.channels_last)
-        assert torch.equal(out, F.resized_crop(image, *box, [224, 224], antialias=True))
+        assert same_up_to_rounding(out, F.resized_crop(image, *box, [224, 224], antialias=True))
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
@@ -426,7 +433,7 @@ def test_random_resized_crop_of_bytes_is_the_decoded_images_crop(fmt):
         box = random_crop_box(375, 500)
         want = F.resized_crop(decoded, *box, [224, 224], antialias=True)
         assert out.dtype == torch.uint8 and out.shape == (3, 224, 224)
-        assert torch.equal(out, want.flip(-1) if flip else want)
+        assert same_up_to_rounding(out, want.flip(-1) if flip else want)
 
 
 def test_random_resized_crop_flips_half_the_time_and_checks_its_arguments():
