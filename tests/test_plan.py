@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from index_datasets import Indices, StagedIndices
@@ -17,6 +19,11 @@ pytestmark = pytest.mark.usefixtures("no_leak")
 
 STAGED = Hooks(load=lambda index: index, preprocess=lambda raw: raw)
 FOLDER = Hooks(load=lambda index: index, preprocess=lambda raw: raw, from_folder=True)
+OWN = Hooks(load=lambda index: index, preprocess=lambda raw: raw, own_load=True)
+
+
+async def load_async(index):
+    return index
 
 
 def plan_of(
@@ -138,6 +145,31 @@ def test_a_folder_runs_whole_where_the_stage_may_be_in_processes(worker_method, 
     plan = plan_of(Options(worker_method=worker_method, **options), hooks=FOLDER)
     assert plan.shape == shape
     assert plan_of(Options(worker_method=worker_method), hooks=FOLDER, cached=True).shape == SAMPLES
+
+
+@pytest.mark.parametrize(
+    "worker_method, hooks, options, decided, whole",
+    [
+        ("process", OWN, {}, None, True),  # in processes from the start: read whole there
+        ("auto", OWN, {}, Decision(PROCESS, "measured"), True),  # moved there by an earlier pass
+        ("auto", OWN, {}, None, False),  # threads first: the split spreads a batch over them
+        ("thread", OWN, {}, None, False),
+        ("process", STAGED, {}, None, False),  # load_fn=: a worker would need it pickled
+        ("process", dataclasses.replace(OWN, load=load_async), {}, None, False),  # event loop
+        ("process", dataclasses.replace(OWN, load_many=len), {}, None, False),  # one call
+        ("process", OWN, {"max_failures": 2}, None, False),  # skipping a sample needs the split
+    ],
+)
+def test_a_staged_dataset_is_read_whole_where_the_pass_starts_in_processes(
+    worker_method, hooks, options, decided, whole
+):
+    plan = plan_of(Options(worker_method=worker_method, **options), hooks=hooks, decided=decided)
+    assert (plan.whole is hooks, plan.shape) == ((True, BATCHES) if whole else (False, SAMPLES))
+    assert plan.hooks is (None if whole else hooks)
+    # a cache works per sample in the main process
+    options = Options(worker_method=worker_method)
+    cached = plan_of(options, hooks=hooks, decided=decided, cached=True)
+    assert (cached.whole, cached.shape) == (None, SAMPLES)
 
 
 @pytest.mark.parametrize(

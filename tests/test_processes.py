@@ -154,6 +154,27 @@ class FailsStaged(StagedDataset):
         return raw
 
 
+class FailsLoading(FailsStaged):
+    def load(self, index):
+        if index == 7:
+            raise KeyError(f"no sample {index}")
+        return index
+
+
+class WhereRead(StagedDataset):
+    """Each sample says which process and thread loaded it, and which process preprocessed it."""
+
+    def __len__(self):
+        return 24
+
+    def load(self, index):
+        return index, os.getpid(), threading.current_thread().name
+
+    def preprocess(self, raw):
+        index, load_pid, load_thread = raw
+        return {"index": index, "load": (load_pid, load_thread), "preprocess": os.getpid()}
+
+
 def explode():
     raise ValueError("this raw item cannot be rebuilt here")
 
@@ -166,10 +187,12 @@ class Unreadable:
 
 
 class LoadsUnreadable(StagedDataset):
+    """An async load keeps the split under processes: each raw item crosses to a worker."""
+
     def __len__(self):
         return 4
 
-    def load(self, index):
+    async def load(self, index):
         return Unreadable() if index == 2 else index
 
 
@@ -400,9 +423,10 @@ def raised(loader) -> tuple[BaseException, list]:
         (lambda: Fails(ValueError), dict(batch_size=None), "__getitem__"),
         (lambda: Fails(OSError), dict(batch_size=3), "__getitem__"),
         (FailsStaged, dict(batch_size=3), "preprocess"),
+        (FailsLoading, dict(batch_size=3), "load"),
         (BreaksStream, dict(batch_size=None), "__iter__"),
     ],
-    ids=["KeyError", "ValueError-unbatched", "OSError", "preprocess", "iterable"],
+    ids=["KeyError", "ValueError-unbatched", "OSError", "preprocess", "load", "iterable"],
 )
 def test_errors_keep_type_and_message_of_the_thread_path(dataset, kwargs, raiser):
     error, seen = raised(ours(dataset(), num_workers=2, **kwargs))
@@ -413,6 +437,22 @@ def test_errors_keep_type_and_message_of_the_thread_path(dataset, kwargs, raiser
     # the worker's own traceback, down to the line that raised
     assert "Original Traceback" in str(error) and f", in {raiser}" in str(error)
     assert seen == thread_seen
+
+
+def test_a_staged_dataset_is_read_whole_in_the_workers_as_torchs_are():
+    """load (on the worker's own I/O threads) and preprocess both run in the worker process,
+    which collates the batch; the batches are torch's, sample for sample."""
+    kwargs = dict(batch_size=4, shuffle=True, seed=5, num_workers=2)
+    loader = ours(WhereRead(), io_workers=4, **kwargs)
+    batches = list(loader)
+    assert "each worker loads" in str(loader.stats().plan)
+    expected = list(torchs(WhereRead(), **kwargs))
+    assert [b["index"].tolist() for b in batches] == [b["index"].tolist() for b in expected]
+    for batch in batches:
+        pids, names = batch["load"]
+        assert set(pids.tolist()) == set(batch["preprocess"].tolist()) != {os.getpid()}
+        assert len(set(pids.tolist())) == 1  # one worker read the whole batch
+        assert all(name.startswith("torch_spdl-load") for name in names)
 
 
 def test_a_task_the_worker_cannot_unpickle_fails_that_sample():

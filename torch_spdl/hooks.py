@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,6 +74,8 @@ class Hooks:
     from_folder: bool = False
     # the dataset's ``load_many(indices)``: one call (one request) for a batch's samples
     load_many: Callable[[Any], Any] | None = None
+    # ``load`` is the dataset's own (not ``load_fn=``): a worker process given the dataset has it
+    own_load: bool = False
 
     @property
     def load_is_async(self) -> bool:
@@ -140,8 +143,54 @@ def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | Non
             check_hook(f"{type(dataset).__name__}.load_many", load_many, "a list of indices")
     if load is None and preprocess is None:
         return None
-    return Hooks(load=load, preprocess=preprocess or _identity, load_many=load_many)
+    own = load_fn is None
+    return Hooks(load=load, preprocess=preprocess or _identity, load_many=load_many, own_load=own)
 
 
 def _identity(raw: Any) -> Any:
     return raw
+
+
+class WholeSamples:
+    """A staged dataset read whole, as its ``__getitem__`` reads it: ``load``, then
+    ``preprocess``. A batch's loads (I/O) run on ``io_threads`` threads of their own, so a worker
+    process that reads its batches whole, as torch's workers do, keeps the concurrency of the
+    loader's load stage. ``failed_at`` names the stage and the index of the sample whose error
+    is being raised, as the split stages' errors name them. Made where it is used (in the
+    worker), never pickled."""
+
+    def __init__(self, dataset: Any, hooks: Hooks, io_threads: int) -> None:
+        self.dataset = dataset
+        self._load = hooks.load_from(dataset)
+        self._preprocess = hooks.preprocess
+        self._io = ThreadPoolExecutor(io_threads, "torch_spdl-load") if io_threads > 1 else None
+        self.failed_at: tuple[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
+        """The samples of ``indices``: loaded concurrently, then preprocessed in turn."""
+        self.failed_at = None
+        if self._io is None or len(indices) < 2:
+            loaded = [self._loaded(index) for index in indices]
+        else:
+            loaded = list(self._io.map(self._loaded, indices))
+        samples = []
+        for index, (raw, error) in zip(indices, loaded, strict=True):
+            if error is not None:  # the first failing load in the batch's order, as a loop's
+                self.failed_at = ("load", index)
+                raise error
+            self.failed_at = ("preprocess", index)
+            samples.append(self._preprocess(raw))
+        self.failed_at = None
+        return samples
+
+    def _loaded(self, index: Any) -> tuple[Any, Exception | None]:
+        try:
+            return self._load(index), None
+        except Exception as error:
+            return None, error

@@ -58,6 +58,8 @@ class Plan:
     decision: Decision | None  # what "auto" decided before (or for streams, that they stay)
     copies: bool = False  # a map-style dataset with state: batch i on worker i % W's copy
     load_many: bool = False  # SAMPLES: a batch's samples loaded by one load_many call
+    # BATCHES under PROCESS: the hooks each worker process runs on a batch's samples itself
+    whole: Hooks | None = None
 
     @property
     def load_stages(self) -> tuple[str, ...]:
@@ -96,6 +98,8 @@ class Plan:
             parts.append("pinned")
         if self.copies:
             parts.append(f"batch i on worker i % {self.workers}'s copy of the dataset")
+        if self.whole is not None:
+            parts.append("each worker loads (on threads of its own) and preprocesses its batches")
         return "; ".join(parts)
 
 
@@ -122,7 +126,8 @@ def make_plan(
     decided = decided if may_switch else None
     copies = stateful and not iterable and hooks is None and num_workers > 0
     executor = _executor(options, num_workers, persistent, iterable or copies, decided)
-    hooks = _hooks_run(hooks, executor == PROCESS or may_switch, cached, options)
+    whole = _read_whole(hooks, executor, cached, options)
+    hooks = None if whole else _hooks_run(hooks, executor == PROCESS or may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
     copies = copies and executor != INLINE
     transfer = options.device is not None
@@ -147,6 +152,7 @@ def make_plan(
         decision=decided,
         copies=copies,
         load_many=load_many,
+        whole=whole,
     )
 
 
@@ -200,6 +206,23 @@ def _hooks_run(
     if whole and hooks is not None and hooks.from_folder:
         return None
     return hooks
+
+
+def _read_whole(hooks: Hooks | None, executor: str, cached: bool, options: Options) -> Hooks | None:
+    """The hooks that worker processes run on whole batches, or None. A dataset's own
+    synchronous ``load`` and its ``preprocess`` run in the worker, the loads on I/O threads of
+    the worker's own (:class:`~torch_spdl.hooks.WholeSamples`), and the batch is collated there
+    and comes back through shared memory, as torch's worker does: split, every sample's raw data
+    would cross to a worker and its result back, costing the main process (and the training
+    loop's GIL) for each. Only where the pass starts in processes: on threads the split keeps
+    the batches' samples spread over every worker. An async ``load`` or ``load_many`` keeps the
+    split (the event loop's concurrency), as do a cache and a failure budget, which work per
+    sample in the main process."""
+    if hooks is None or hooks.from_folder or executor != PROCESS:
+        return None
+    if cached or options.max_failures or not hooks.own_load:
+        return None
+    return None if hooks.load_is_async or hooks.load_many is not None else hooks
 
 
 def _in_flight(

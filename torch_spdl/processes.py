@@ -70,6 +70,7 @@ from .compat import (
     stop_forkserver,
 )
 from .copies import CopyTask
+from .hooks import Hooks, WholeSamples
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import describe_item, where
 from .sampling import WorkerStreams
@@ -177,17 +178,21 @@ _ENDED = object()
 
 
 def attempt(
-    work: Callable[[], Any], stage: str, worker: int, describe: Callable[[], str | None]
+    work: Callable[[], Any],
+    stage: str | Callable[[], str],
+    worker: int,
+    describe: Callable[[], str | None],
 ) -> Reply:
     """``(OK, work())``, or the reply for the exception it raised: every exception fails its item
     (``SystemExit`` too, which would end a worker of torch's), except Ctrl-C, which reaches the
-    main process too: this worker then exits quietly, as torch's do."""
+    main process too: this worker then exits quietly, as torch's do. ``stage`` may be asked
+    after the failure, as ``describe`` is."""
     try:
         return OK, work()
     except KeyboardInterrupt:
         raise
     except BaseException:
-        return failed(stage, worker, describe())
+        return failed(stage if isinstance(stage, str) else stage(), worker, describe())
 
 
 @dataclass
@@ -226,6 +231,40 @@ class FetchJob:
                 return saved, state
             payload = WithState(payload, state)
         return status, payload
+
+
+@dataclass
+class WholeJob(FetchJob):
+    """Hooks run whole in the worker: a batch's indices in, each sample loaded (on
+    ``io_threads`` threads of this process) and preprocessed, the collated batch out."""
+
+    hooks: Hooks | None = None
+    io_threads: int = 1
+
+    @functools.cached_property
+    def _samples(self) -> WholeSamples:
+        assert self.hooks is not None  # the plan gives a WholeJob its hooks
+        return WholeSamples(self.dataset, self.hooks, self.io_threads)
+
+    @functools.cached_property
+    def _fetch(self) -> Callable[[FetchTask], Any]:
+        return batch_fetcher(self._samples, self.auto_collation, self.collate_fn)
+
+    def run(self, index: Any, worker: int) -> Reply:
+        """A sample's error names its stage and dataset index, as the split stages' do; an
+        error of ``collate_fn`` names the batch's."""
+        task = FetchTask(index)
+        at = lambda: self._samples.failed_at  # noqa: E731
+
+        def stage() -> str:
+            return self.stage if (failed_at := at()) is None else failed_at[0]
+
+        def describe() -> str | None:
+            if (failed_at := at()) is None:
+                return task.describe()
+            return SampleTask(failed_at[1], 0, 1).describe()
+
+        return attempt(lambda: self._fetch(task), stage, worker, describe)
 
 
 @dataclass
@@ -314,7 +353,7 @@ class OpJob:
         return attempt(lambda: self.op(value), self.stage, worker, lambda: describe_item(value))
 
 
-Job = FetchJob | PreprocessJob | IterableJob | OpJob
+Job = FetchJob | WholeJob | PreprocessJob | IterableJob | OpJob
 
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -947,6 +986,9 @@ def process_pool(iterator: Any, loader: Any) -> PoolStarter:
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
+    elif (whole := iterator._plan.whole) is not None:
+        io_threads = -(-loader.io_workers // iterator._num_workers)  # the load stage's, shared
+        job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
     elif iterator._hooks is None:
         job = FetchJob(loader.dataset, auto, collate, records=iterator._plan.copies)
     else:
