@@ -439,20 +439,23 @@ def test_errors_keep_type_and_message_of_the_thread_path(dataset, kwargs, raiser
     assert seen == thread_seen
 
 
-def test_a_staged_dataset_is_read_whole_in_the_workers_as_torchs_are():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_is_read_whole_in_the_workers_as_torchs_are(persistent):
     """load (on the worker's own I/O threads) and preprocess both run in the worker process,
-    which collates the batch; the batches are torch's, sample for sample."""
-    kwargs = dict(batch_size=4, shuffle=True, seed=5, num_workers=2)
+    which collates the batch; the batches are torch's, sample for sample, epoch after epoch."""
+    kwargs = dict(batch_size=4, shuffle=True, seed=5, num_workers=2, persistent_workers=persistent)
     loader = ours(WhereRead(), io_workers=4, **kwargs)
-    batches = list(loader)
-    assert "each worker loads" in str(loader.stats().plan)
-    expected = list(torchs(WhereRead(), **kwargs))
-    assert [b["index"].tolist() for b in batches] == [b["index"].tolist() for b in expected]
-    for batch in batches:
-        pids, names = batch["load"]
-        assert set(pids.tolist()) == set(batch["preprocess"].tolist()) != {os.getpid()}
-        assert len(set(pids.tolist())) == 1  # one worker read the whole batch
-        assert all(name.startswith("torch_spdl-load") for name in names)
+    reference = torchs(WhereRead(), **kwargs)
+    for _ in range(2):
+        batches = list(loader)
+        assert "each worker loads" in str(loader.stats().plan)
+        expected = [b["index"].tolist() for b in reference]
+        assert [b["index"].tolist() for b in batches] == expected
+        for batch in batches:
+            pids, names = batch["load"]
+            assert set(pids.tolist()) == set(batch["preprocess"].tolist()) != {os.getpid()}
+            assert len(set(pids.tolist())) == 1  # one worker read the whole batch
+            assert all(name.startswith("torch_spdl-load") for name in names)
 
 
 def test_a_task_the_worker_cannot_unpickle_fails_that_sample():
