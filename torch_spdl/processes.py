@@ -12,7 +12,10 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
   child.
 - **The dataset is sent once per worker**, at start: pickled once with ``forkserver``/``spawn``,
   inherited with ``fork``, as torch's workers get it (so the same picklability rules apply).
-  ``load`` hooks stay on the I/O threads; only ``preprocess`` (and what it is given) crosses over.
+  A staged dataset's own synchronous ``load`` runs in the worker too, on I/O threads of the
+  worker's own, which collates the batch (:class:`WholeJob`, where the pass starts in
+  processes); other ``load`` hooks stay on the main process's I/O threads, and only
+  ``preprocess`` (and what it is given) crosses over, sample by sample.
 - **Tensors come back in shared memory** through torch's multiprocessing reductions, and
   ``default_collate`` builds a batch in shared memory directly, since ``get_worker_info()`` is set
   in the worker. Tensors under :data:`INLINE_BYTES` travel inside the message instead (see
