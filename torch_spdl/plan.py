@@ -128,8 +128,7 @@ def make_plan(
     decided = decided if may_switch else None
     copies = stateful and not iterable and hooks is None and num_workers > 0
     executor = _executor(options, num_workers, persistent, iterable or copies, decided)
-    whole = _read_whole(hooks, executor, cached, options)
-    hooks = None if whole else _hooks_run(hooks, executor == PROCESS or may_switch, cached, options)
+    hooks, whole = _hooks_run(hooks, executor, may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
     copies = copies and executor != INLINE
     transfer = options.device is not None
@@ -197,34 +196,33 @@ def _executor(
 
 
 def _hooks_run(
-    hooks: Hooks | None, in_processes: bool, cached: bool, options: Options
-) -> Hooks | None:
-    """The hooks a pass runs. Where the stage runs (or may move) in worker processes, a folder
-    that the loader split by itself runs whole in the worker, as torch's does: the files are read,
-    decoded and collated there and one batch comes back through shared memory, where the split
-    would send every sample's bytes out and its image back. A cache or a failure budget needs the
-    split, and keeps it."""
-    whole = in_processes and not cached and not options.max_failures
-    if whole and hooks is not None and hooks.from_folder:
-        return None
-    return hooks
+    hooks: Hooks | None, executor: str, may_switch: bool, cached: bool, options: Options
+) -> tuple[Hooks | None, Hooks | None]:
+    """The hooks the pass runs as its own stages, and those worker processes run on whole
+    batches (:class:`~torch_spdl.hooks.WholeSamples`); None for either where there are none.
 
+    Read whole, a batch's samples are loaded, preprocessed and collated in the worker and come
+    back through shared memory, as from torch's worker; split, every sample's raw data would
+    cross to a worker and its result back, costing the main process (and the training loop's
+    GIL) for each. So:
 
-def _read_whole(hooks: Hooks | None, executor: str, cached: bool, options: Options) -> Hooks | None:
-    """The hooks that worker processes run on whole batches, or None. A dataset's own
-    synchronous ``load`` and its ``preprocess`` run in the worker, the loads on I/O threads of
-    the worker's own (:class:`~torch_spdl.hooks.WholeSamples`), and the batch is collated there
-    and comes back through shared memory, as torch's worker does: split, every sample's raw data
-    would cross to a worker and its result back, costing the main process (and the training
-    loop's GIL) for each. Only where the pass starts in processes: on threads the split keeps
-    the batches' samples spread over every worker. An async ``load`` or ``load_many`` keeps the
-    split (the event loop's concurrency), as do a cache and a failure budget, which work per
-    sample in the main process."""
-    if hooks is None or hooks.from_folder or executor != PROCESS:
-        return None
-    if cached or options.max_failures or not hooks.own_load:
-        return None
-    return None if hooks.load_is_async or hooks.load_many is not None else hooks
+    - a folder the loader split by itself runs whole wherever the stage runs (or may move) in
+      processes: its ``__getitem__`` does both halves;
+    - a dataset's own synchronous ``load`` runs whole where the pass starts in processes, its
+      loads on I/O threads of the worker's own; on threads the split spreads a batch's samples
+      over every worker, and an async ``load`` or ``load_many`` keeps the event loop's
+      concurrency;
+    - a cache or a failure budget works per sample in the main process: it keeps the split.
+    """
+    if hooks is None or cached or options.max_failures:
+        return hooks, None
+    if hooks.from_folder:
+        return (None if executor == PROCESS or may_switch else hooks), None
+    if executor != PROCESS or not hooks.own_load:
+        return hooks, None
+    if hooks.load_is_async or hooks.load_many is not None:
+        return hooks, None
+    return None, hooks
 
 
 def _in_flight(
