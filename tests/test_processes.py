@@ -690,6 +690,45 @@ def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
     assert worker.process.exitcode == 0
 
 
+def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch):
+    """multiprocessing reads a fork-server child's exit code from a pipe, and a process start
+    reads those of finished children too; of two threads reading one at once, one records 255.
+    Here the dead worker's read is held while another thread starts a worker: the start waits,
+    and the error still says SIGKILL."""
+    context = processes.start_context(None)
+    job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
+    worker = processes._start_process(context, job, 0, 2, 0, None)
+    os.kill(worker.process.pid, signal.SIGKILL)
+    reading, go = threading.Event(), threading.Event()
+    read_signed = multiprocessing.forkserver.read_signed
+
+    def held_read(fd):  # the first read of the dead worker's exit code waits for `go`
+        if fd == worker.process.sentinel and not reading.is_set():
+            reading.set()
+            go.wait(10)
+        return read_signed(fd)
+
+    monkeypatch.setattr(multiprocessing.forkserver, "read_signed", held_read)
+    errors, started = [], []
+    dying = threading.Thread(target=lambda: errors.append(worker.died()))
+    dying.start()
+    assert reading.wait(10)
+    starting = threading.Thread(
+        target=lambda: started.append(processes._start_process(context, job, 1, 2, 0, None))
+    )
+    starting.start()
+    starting.join(0.5)  # it waits for the read; one that did not would read the code itself
+    go.set()
+    dying.join(10)
+    starting.join(10)
+    for other in started:
+        other.close()
+        other.process.join(10)
+    worker.close()
+    (error,) = errors
+    assert "exit code -9 (killed by signal SIGKILL)" in str(error), str(error)
+
+
 def test_without_pythons_private_stop_the_running_server_is_kept(monkeypatch):
     processes.start_context(None)  # running, as the tests before left it, or not yet
     started_with(processes.start_context(None), [])

@@ -488,8 +488,7 @@ class _Worker:
         """The error for its death; it is replaced before its next task (:meth:`ProcessPool
         ._current`)."""
         self.dead = True
-        self.process.join(SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
-        code = self.process.exitcode
+        code = exit_code(self.process, SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
         if code is None:
             return RuntimeError(f"{text}: it closed its pipe and is still running; {self.then}")
@@ -589,9 +588,20 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
 # them again at every start, non-persistent workers at every pass), but only while no process
 # of the server's runs: a stopped server's children read as dead to their parents. A worker
 # being started is no child yet (multiprocessing lists it once start() returns), so every start
-# of ours holds the lock too: a restart waits for it, then sees it.
+# of ours holds the lock too: a restart waits for it, then sees it. A start also reads finished
+# children's exit codes, so our own reads of one hold it as well (:func:`exit_code`).
 _SERVER_LOCK = threading.Lock()
 _server_preload: list[str] = []
+
+
+def exit_code(process: Any, timeout: float) -> int | None:
+    """``process``'s exit code once it has exited, waiting up to ``timeout`` seconds; None while
+    it runs. multiprocessing reads a fork-server child's status from a pipe, and of two threads
+    reading it at once (this, and a worker start's clean-up of finished children) one gets
+    nothing and records 255: the reads take :data:`_SERVER_LOCK`, as the starts do."""
+    with _SERVER_LOCK:
+        process.join(timeout)
+        return process.exitcode
 
 
 def _lacks(server: list[str], wanted: list[str]) -> bool:
@@ -880,7 +890,7 @@ class ProcessPool:
             except (EOFError, ConnectionResetError):  # its end closed, or reset as it was killed
                 raise worker.died() from None
             except Exception as error:  # shared tensors are fetched from their sender: gone?
-                if not worker.process.is_alive():
+                if exit_code(worker.process, 0) is not None:
                     raise worker.died() from error
                 raise
         if wake in ready:
