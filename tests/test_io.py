@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import types
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from torch_spdl.io import (
     collate_images,
     decode_image,
     decode_video,
+    device_decode,
     output_size,
     random_crop_box,
     resize,
@@ -34,6 +38,7 @@ from torch_spdl.io import (
 )
 from torch_spdl.io import image as image_module
 from torch_spdl.io.image import byte_tensor, jpeg_dimensions
+from torch_spdl.io.jpeg import check_jpeg
 
 MODES = ["RGB", "RGBA", "L", "LA"]
 
@@ -551,27 +556,137 @@ def test_the_transfer_stage_decodes_encoded_batches():
 
 
 @pytest.mark.usefixtures("no_leak")
-def test_a_truncated_jpeg_fails_its_sample_in_preprocess():
+def test_a_jpeg_the_decoder_would_refuse_fails_its_sample_in_preprocess():
+    """Not the batch it would have joined: the sample fails where it is read, named by its
+    dataset index, and ``max_failures`` skips it."""
     images = varied_images(6)
-    images[3] = images[3][:-200]
-    images[4] = images[4] + bytes(5000)  # data after the end marker is no truncation
-    truncated = r"(?s)dataset index 3.*truncated: no end marker after its scan"
-    with pytest.raises(ValueError, match=truncated):
+    images[3] = refused_jpegs()["unknown marker in its scan"][0]
+    images[4] = images[4] + bytes(5000)  # data after the end marker is no flaw
+    unknown = r"(?s)stage 'preprocess' for dataset index 3.*unknown marker 0xFF3B"
+    with pytest.raises(ValueError, match=unknown):
         list(cropped_loader(images, "cpu"))
     assert [len(b[1]) for b in cropped_loader(images, "cpu", max_failures=1)] == [3, 2]
 
 
-def test_a_batch_that_fails_to_decode_names_the_image():
-    """A bogus Huffman table passes the structure check and fails the batched decode: the error
-    names the image's position in the batch."""
+def _patched(data: bytes, at: bytes, new: bytes) -> bytes:
+    """``data`` with the first ``at`` (a marker and what follows it) replaced by ``new``."""
+    assert at in data, at
+    return data.replace(at, new, 1)
+
+
+def refused_jpegs() -> dict[str, tuple[bytes, str]]:
+    """JPEGs libjpeg refuses before (or while) decoding, whose markers show it; what the check
+    says of each."""
     good = jpeg(60, 80)
-    corrupt = bytearray(good)
-    table = corrupt.index(b"\xff\xc4")  # DHT: its 16 code counts, all 255, overflow it
-    corrupt[table + 5 : table + 21] = bytes([255] * 16)
-    crop = RandomResizedCrop(32, decode_on="cpu")
-    encoded = collate_images([crop(good), crop(corrupt), crop(good)])
-    with pytest.raises(ValueError, match="image 1 of the batch could not be decoded on cpu"):
+    scan = good.rindex(b"\xff\xda")
+    table = good.index(b"\xff\xc4")
+    frame = good.index(b"\xff\xc0")
+    overfull = bytearray(good)  # three codes of length 1: no prefix code has them
+    overfull[table + 5 : table + 7] = bytes([3, 0])
+    twelve_bit = bytearray(good)
+    twelve_bit[frame + 4] = 12
+    return {
+        "truncated": (good[:-200], "truncated: no end marker after its scan"),
+        "unknown marker in its scan": (
+            good[: scan + 100] + b"\xff\x3b" + good[scan + 102 :],
+            "unknown marker 0xFF3B",
+        ),
+        "overfull Huffman table": (bytes(overfull), "more codes than its lengths allow"),
+        "12-bit": (bytes(twelve_bit), "12-bit samples"),
+        "quantisation index 5": (
+            _patched(good, b"\xff\xdb\x00\x43\x00", b"\xff\xdb\x00\x43\x05"),
+            "quantisation table with index 5",
+        ),
+        "scan before frame": (
+            good[:frame] + good[scan:-2] + good[frame:scan] + b"\xff\xd9",
+            "scan before its frame header",
+        ),
+        "second frame": (
+            good[:scan] + good[frame : frame + 19] + good[scan:],
+            "second frame header",
+        ),
+        "restart interval of 3 bytes": (
+            good[:scan] + b"\xff\xdd\x00\x05\x00\x01\x00" + good[scan:],
+            "restart interval segment of 3 bytes",
+        ),
+    }
+
+
+def accepted_jpegs() -> dict[str, bytes]:
+    """JPEGs that decode, in the forms a data set holds, and with what libjpeg skips."""
+    picture = Image.fromarray(photo(45, 70))
+    good = encode(picture, "JPEG")
+    scan = good.rindex(b"\xff\xda")
+    return {
+        "baseline": good,
+        "progressive": encode(picture, "JPEG", progressive=True, optimize=True),
+        "grey": encode(picture.convert("L"), "JPEG"),
+        "cmyk": encode(picture.convert("CMYK"), "JPEG"),
+        "4:4:4": encode(picture, "JPEG", subsampling=0),
+        "restart markers": encode(picture, "JPEG", restart_marker_blocks=3),
+        "exif+icc": encode(
+            picture, "JPEG", exif=b"Exif\x00\x00" + b"\x00" * 64, icc_profile=b"x" * 300
+        ),
+        "junk and fill bytes before a marker": good[:scan] + b"junk\xff\xff" + good[scan:],
+        "data after the end": good + bytes(5000),
+    }
+
+
+def test_the_jpeg_check_refuses_what_the_decoder_refuses():
+    """Each refused file names its flaw, and libjpeg-turbo refuses it too; each accepted file
+    decodes. So the check fails in preprocess exactly the files the batched decode would."""
+    for name, (data, said) in refused_jpegs().items():
+        with pytest.raises(ValueError, match=said):
+            check_jpeg(tensor_of(data))
+        with pytest.raises(ValueError, match="cannot decode image"):
+            decode_image(data)
+            pytest.fail(f"libjpeg-turbo decodes the {name} JPEG")
+    for name, data in accepted_jpegs().items():
+        check_jpeg(tensor_of(data))
+        assert decode_image(data).shape[-2:] == (45, 70), name
+        assert jpeg_dimensions(tensor_of(data)) == (45, 70), name
+
+
+def refusing_decoder(refused: set[int]) -> Callable[..., list[torch.Tensor]]:
+    """A stand-in for nvJPEG: decodes on the CPU, but refuses (as a whole batch, as nvJPEG's
+    batched call does) any batch holding an image whose length is in ``refused``."""
+
+    def decode(data: list[torch.Tensor], mode: Any, device: torch.device) -> list[torch.Tensor]:
+        if any(len(d) in refused for d in data):
+            raise RuntimeError("nvjpegDecodeBatched failed: NVJPEG_STATUS_BAD_JPEG")
+        return [tvio.decode_jpeg(d, mode=mode) for d in data]
+
+    return decode
+
+
+def test_an_image_the_device_refuses_is_decoded_on_the_cpu(monkeypatch, caplog):
+    """The batch decodes (and as the CPU path decodes it), the fallback is logged once; an image
+    the CPU refuses too fails the batch, naming its position."""
+    data = varied_images(4)
+    monkeypatch.setattr(device_decode, "_SAID", [])
+    monkeypatch.setattr(
+        device_decode, "batch_decoder", lambda device: refusing_decoder({len(data[2])})
+    )
+    torch.manual_seed(0)
+    expected = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
+    assert device_decode.batch_decoder(torch.device("cpu")) is not None  # the patch is taken
+    torch.manual_seed(0)
+    encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
+    with caplog.at_level(logging.WARNING, logger="torch_spdl"):
+        assert torch.equal(encoded.decode(), expected.decode())
         encoded.decode()
+    said = [
+        r.getMessage() for r in caplog.records if "decoded on the CPU instead" in r.getMessage()
+    ]
+    assert len(said) == 1 and "NVJPEG_STATUS_BAD_JPEG" in said[0]
+    unreadable = refused_jpegs()["unknown marker in its scan"][0]  # past the check, by hand
+    images = [*encoded.images]
+    images[1] = dataclasses.replace(images[1], data=tensor_of(unreadable))
+    monkeypatch.setattr(
+        device_decode, "batch_decoder", lambda device: refusing_decoder({len(unreadable)})
+    )
+    with pytest.raises(ValueError, match="image 1 of the batch could not be decoded on cpu"):
+        EncodedBatch(images).decode()
 
 
 def test_without_a_gpu_decoder_the_cpu_decodes_and_says_why_once():

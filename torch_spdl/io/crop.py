@@ -41,8 +41,8 @@ from .image import (
     _decode,
     _starts_with,
     byte_tensor,
-    jpeg_dimensions,
 )
+from .jpeg import check_jpeg, jpeg_dimensions
 
 TRIES = 10  # RandomResizedCrop's tries before it falls back to a centre crop
 
@@ -160,7 +160,8 @@ class RandomResizedCrop:
             size = (image.shape[-2], image.shape[-1])
         box = random_crop_box(*size, self.scale, self.ratio)
         if self._deferred():
-            check_structure(encoded)
+            if _starts_with(encoded, _JPEG_MAGIC):
+                check_jpeg(encoded)  # a file that would fail the batch fails its sample here
             flip = bool(self.flip) and torch.rand(()).item() < self.flip
             assert self.decode_on is not None  # _deferred() says so
             return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on)
@@ -198,15 +199,3 @@ class RandomResizedCrop:
             f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
             f"flip={self.flip}, mode={self.mode!r}, decode_on={self.decode_on})"
         )
-
-
-def check_structure(encoded: torch.Tensor) -> None:
-    """Refuse a JPEG cut short (no end-of-image marker after its last scan) before it joins a
-    batch decoded on the device, where its failure would fail the batch; here it fails its
-    sample. (0xFFD9 cannot occur inside a scan, whose 0xFF bytes are stuffed.)"""
-    if not _starts_with(encoded, _JPEG_MAGIC):
-        return
-    data = encoded.numpy().tobytes()
-    scan = data.rfind(b"\xff\xda")
-    if scan < 0 or data.rfind(b"\xff\xd9") < scan:
-        raise ValueError(f"the JPEG ({len(data)} bytes) is truncated: no end marker after its scan")

@@ -23,14 +23,18 @@ available, :class:`~torch_spdl.io.RandomResizedCrop` says why once and decodes o
 instead. ``decode_on="cpu"`` runs this very path on the CPU: a stand-in that tests its logic on a
 machine without a GPU.
 
-A corrupt file whose structure checks out can still fail the batched decode; each image is then
-decoded alone to find which, and the batch fails naming their positions in it. (Structure errors,
-the common case, fail in ``preprocess``, per sample, within ``max_failures``.)
+A file libjpeg would refuse fails its sample in ``preprocess``, within ``max_failures``: the crop
+checks its markers there (:func:`~torch_spdl.io.jpeg.check_jpeg`). Where the batched decode still
+fails (a JPEG nvJPEG does not support, or corrupt data inside a scan), each image is decoded alone
+to find which, and an image the device refuses is decoded on the CPU by libjpeg-turbo, as the CPU
+path would decode it, then copied over; the first such image is logged, once. Only an image the
+CPU cannot decode either fails its batch, the error naming its position in the batch.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +44,8 @@ from torchvision.ops import roi_align
 
 from ..transfer import FinishedOnDevice
 from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
+
+logger = logging.getLogger("torch_spdl")
 
 Box = tuple[int, int, int, int]  # top, left, height, width
 Decode = Callable[[list[torch.Tensor], ImageReadMode, torch.device], list[torch.Tensor]]
@@ -116,16 +122,33 @@ def decode_all(encoded: list[torch.Tensor], mode: Mode, device: torch.device) ->
 def _decode_alone(
     data: torch.Tensor, mode: Mode, device: torch.device, decode: Decode | None, position: int
 ) -> torch.Tensor:
-    """One image, to find out which of a batch fails; the error names its position."""
-    try:
-        if decode is not None:
-            read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
+    """One image, on ``decode`` if given, else (or where that refuses it) on the CPU and then
+    copied to ``device``; an image neither decodes fails, the error naming its position."""
+    if decode is not None:
+        read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
+        try:
             return decode([data], read_mode, device)[0]
+        except RuntimeError as error:
+            _say_once(
+                f"the decoder on {device} refused an image ({error}); images it refuses "
+                "are decoded on the CPU instead"
+            )
+    try:
         return _decode(data, mode).to(device)
     except (RuntimeError, ValueError) as error:
         raise ValueError(
             f"image {position} of the batch could not be decoded on {device}: {error}"
         ) from error
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` the first time only: one odd file in a million need not flood the log."""
+    if not _SAID:
+        _SAID.append(message)
+        logger.warning(message)
+
+
+_SAID: list[str] = []  # what _say_once logged: once per process
 
 
 def crop_batch(

@@ -28,6 +28,7 @@ from torchvision.io import ImageReadMode
 from torchvision.io import decode_image as _tv_decode
 from torchvision.transforms.v2.functional import pil_to_tensor, to_dtype
 
+from .jpeg import jpeg_dimensions
 from .resize import Size, output_size, resize
 
 Mode = Literal["RGB", "RGBA", "L", "LA"]
@@ -250,33 +251,6 @@ def _decode_jpeg_draft(
         image.draft("L" if mode in ("L", "LA") else "RGB", (target[1], target[0]))
         pixels = image if image.mode == mode else image.convert(mode)
         return pil_to_tensor(pixels), target
-
-
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JPG, DAC
-
-
-def jpeg_dimensions(encoded: torch.Tensor) -> tuple[int, int] | None:
-    """``(height, width)`` from a JPEG's start-of-frame segment, or ``None`` if not found.
-
-    Walks the marker segments before the scan data; nothing is decoded.
-    """
-    buf = encoded.numpy().data  # a memoryview of the bytes, as memoryview(array) is
-    pos = 2  # past SOI
-    while pos + 4 <= len(buf) and buf[pos] == 0xFF:
-        marker = buf[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-        elif marker in _SOF_MARKERS:
-            if pos + 9 > len(buf):
-                return None
-            return buf[pos + 5] << 8 | buf[pos + 6], buf[pos + 7] << 8 | buf[pos + 8]
-        elif marker in (0xD9, 0xDA):  # end of image, start of scan: no frame header before
-            return None
-        elif 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
-            pos += 2
-        else:
-            pos += 2 + (buf[pos + 2] << 8 | buf[pos + 3])
-    return None
 
 
 __all__ = [
