@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from typing import Any
+
 from torch.utils.data import Dataset
 
 from torch_spdl import StagedDataset
@@ -49,3 +53,20 @@ class WaitsAt(Dataset):
 def wait_in_user_code(gate) -> None:
     """Where a stuck loader's diagnosis finds the thread (or worker process) waiting."""
     assert gate.wait(10)
+
+
+class WhereRead(StagedDataset):
+    """Each sample says which process and thread loaded it, and which process preprocessed it."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, index: int) -> tuple[int, int, str]:
+        return index, os.getpid(), threading.current_thread().name
+
+    def preprocess(self, raw: tuple[int, int, str]) -> dict[str, Any]:
+        index, load_pid, load_thread = raw
+        return {"index": index, "load": (load_pid, load_thread), "preprocess": os.getpid()}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from index_datasets import Indices
+from index_datasets import Indices, WhereRead
 from torch.utils.data import Dataset, IterableDataset
 
 import torch_spdl
@@ -501,3 +501,29 @@ def test_no_main_file_is_safe(monkeypatch):
 
     monkeypatch.setitem(__import__("sys").modules, "__main__", types.ModuleType("__main__"))
     assert unguarded_main() is None  # a notebook, python -c: workers import nothing
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_moved_to_processes_is_read_whole_from_the_next_pass(
+    no_leak, decides, persistent
+):
+    """In its first pass ``"auto"`` moves ``preprocess`` to processes, each sample's raw data
+    crossing to a worker; from the next pass on each worker reads its batches whole (loads on its
+    own threads), persistent workers as well; every pass yields torch's batches. (200 samples:
+    the trial's least tasks and steps fit in the first pass whatever the timing.)"""
+    decides(PROCESS)
+    kwargs: dict = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent)
+    loader = torch_spdl.DataLoader(
+        WhereRead(200), io_workers=4, generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    reference = torch.utils.data.DataLoader(
+        WhereRead(200), generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    for epoch in range(3):
+        batches = list(loader)
+        assert [b["index"].tolist() for b in batches] == [b["index"].tolist() for b in reference]
+        assert ("each worker loads" in loader.stats().plan) == (epoch > 0), loader.stats().plan
+        loads = {(pid, name) for b in batches for pid, name in zip(*b["load"], strict=True)}
+        if epoch > 0:
+            assert all(name.startswith("torch_spdl-load") for _, name in loads)
+            assert os.getpid() not in {pid for pid, _ in loads}

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from index_datasets import WaitsAt
+from index_datasets import WaitsAt, WhereRead
 from iteration import drain
 from PIL import Image
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -159,20 +159,6 @@ class FailsLoading(FailsStaged):
         if index == 7:
             raise KeyError(f"no sample {index}")
         return index
-
-
-class WhereRead(StagedDataset):
-    """Each sample says which process and thread loaded it, and which process preprocessed it."""
-
-    def __len__(self):
-        return 24
-
-    def load(self, index):
-        return index, os.getpid(), threading.current_thread().name
-
-    def preprocess(self, raw):
-        index, load_pid, load_thread = raw
-        return {"index": index, "load": (load_pid, load_thread), "preprocess": os.getpid()}
 
 
 def explode():
@@ -634,6 +620,8 @@ def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idl
     assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     processes.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+    processes.start_context(None, ["torch_spdl.hooks"])  # comes with torch_spdl: no restart
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
 
 

@@ -1004,13 +1004,28 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._begin_pass(loader, loader._take_continuation(), self._pass)
         if self._pipeline is None or first_iter:
             return
-        if self._pipeline.closed:  # close() was called: start the threads again
+        if self._pipeline.closed or self._replanned(loader):  # start the threads again
             self._pipeline = self._start_pipeline(loader)
             self.stats_probe.stages = self._pipeline.stage_stats
         elif is_iterable(self._dataset):
             self._pipeline.restart()
         else:
             self._pipeline.restart(self._make_source(self._sampler_iter))
+
+    def _replanned(self, loader: DataLoader) -> bool:
+        """Whether this persistent iterator's next pass needs another pipeline, now closed: in
+        an earlier pass ``"auto"`` moved a staged dataset's stage to worker processes, which from
+        now on read each batch whole (``Plan.whole``) where the split pipeline sent every sample
+        across. The workers then start once more, with the seeds they started with, as torch's
+        persistent workers keep theirs; the new plan holds for the passes after."""
+        plan = loader._plan(self)
+        if plan.whole is None or self._plan.whole is not None:
+            return False
+        assert self._pipeline is not None  # only a pipeline's pass is replanned
+        self._pipeline.close()
+        self._plan = self.stats_probe.plan = plan
+        self._hooks = plan.hooks
+        return True
 
     def _begin_pass(
         self,
