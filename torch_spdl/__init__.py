@@ -1,6 +1,7 @@
 """torch_spdl: a drop-in ``torch.utils.data.DataLoader`` on per-stage thread pools."""
 
 import importlib
+import sys
 from typing import Any
 
 from torch.utils.data import get_worker_info
@@ -22,6 +23,12 @@ __all__ = [
     "transforms",
 ]
 __version__ = "0.1.0"
+
+# The modules `import torch_spdl` imports: every fork server that starts our worker processes
+# preloads torch_spdl.processes, and with it all of these (see processes.start_context).
+_PACKAGE_MODULES = frozenset(
+    name for name in sys.modules if name == __name__ or name.startswith(f"{__name__}.")
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -605,11 +605,17 @@ def exit_code(process: Any, timeout: float) -> int | None:
 
 
 def _lacks(server: list[str], wanted: list[str]) -> bool:
-    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's own modules
-    count as there: every server imports torch (through this module), and a restart costs a
-    new server's start-up, seconds, for nothing."""
+    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's modules and
+    those ``import torch_spdl`` imports count as there: every server imports both (through this
+    module), and a restart costs a new server's start-up, seconds, for nothing."""
+    from . import _PACKAGE_MODULES  # the package has finished importing by any start
+
     return any(
-        name not in server and name != "torch" and not name.startswith("torch.") for name in wanted
+        name not in server
+        and name not in _PACKAGE_MODULES
+        and name != "torch"
+        and not name.startswith("torch.")
+        for name in wanted
     )
 
 
