@@ -281,6 +281,7 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
     """The standard library's private ``_forkserver._preload_modules``, read back; without it (or
     without ``_forkserver``), the list a fork server starts with."""
     server = multiprocessing.forkserver._forkserver
+    monkeypatch.setattr(processes, "main_imports", lambda: [])  # pytest's main: see test_processes
     monkeypatch.setattr(server, "_preload_modules", ["__main__", "numpy"])
     assert compat.forkserver_preload() == ["__main__", "numpy"]
     assert processes._forkserver_preload(["numpy", "x"]) == [

@@ -15,8 +15,10 @@ import pickle
 import random
 import re
 import signal
+import subprocess
 import sys
 import threading
+import types
 import warnings
 
 import numpy as np
@@ -26,6 +28,7 @@ import torchvision
 from index_datasets import WaitsAt, WhereRead
 from iteration import drain
 from PIL import Image
+from subprocesses import checkout_env
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
@@ -832,6 +835,53 @@ def test_a_folder_runs_whole_in_the_worker_unless_a_cache_needs_the_split(jpeg_f
     cached = ours(folder_dataset(jpeg_folder), batch_size=4, num_workers=2, cache_bytes=2**20)
     assert [b.tolist() for b, _ in cached] == want
     assert stage_names(cached)[:2] == ["load", "preprocess"]
+
+
+def test_the_main_scripts_imports_are_preloaded(monkeypatch):
+    """Its modules, and the modules of its classes and functions; not values, not itself."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        np=np, Image=Image.Image, collate=torch.utils.data.default_collate, answer=42, me=main
+    )
+    exec("def local(): pass", main.__dict__)  # defined in the script: __module__ is __main__
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert processes.main_imports() == ["numpy", "PIL.Image", "torch.utils.data._utils.collate"]
+    assert processes._forkserver_preload(["x"])[-4:] == ["x", *processes.main_imports()]
+
+
+PROBE = """
+import os, sys
+with open(os.environ["PROBE_LOG"], "a") as log:
+    log.write(f"{os.getpid()}\\n")
+"""
+SCRIPT = """
+import sys
+import probe_module  # the script's import: where is it run?
+import torch
+import torch_spdl
+
+if __name__ == "__main__":
+    loader = torch_spdl.DataLoader(list(range(8)), batch_size=4, num_workers=2,
+                                   worker_method="process")
+    for _ in range(2):
+        assert torch.cat(list(loader)).tolist() == list(range(8))
+"""
+
+
+def test_a_workers_run_of_the_main_script_finds_its_imports_done(tmp_path):
+    """A worker from the fork server runs the main script again; its imports are the server's,
+    done once, not done again in every worker at every pass."""
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    (tmp_path / "train.py").write_text(SCRIPT)
+    log = tmp_path / "imports.log"
+    env = {**checkout_env(), "PROBE_LOG": str(log)}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py")], env=env, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    importers = log.read_text().split()
+    assert len(importers) == 2, importers  # the script, and the fork server (not 4 workers)
 
 
 def test_the_fork_server_preloads_what_a_worker_unpickles(jpeg_folder):

@@ -47,6 +47,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -664,11 +665,41 @@ def _is_main_test(test: ast.expr) -> bool:
 
 
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
-    """The fork server's preload list (the main script, by default) with this module and
-    ``extra`` added, so that workers start with torch imported (the list is read through a
-    private name of the standard library, see :func:`~torch_spdl.compat.forkserver_preload`).
-    It counts only where the server has not started yet: a running server keeps what it has."""
-    return list(dict.fromkeys([*forkserver_preload(), __name__, *extra]))
+    """The fork server's preload list (the main script, by default) with this module, ``extra``
+    and the main script's imports added, so that workers start with them imported (the list is
+    read through a private name of the standard library, see
+    :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
+    started yet: a running server keeps what it has."""
+    return list(dict.fromkeys([*forkserver_preload(), __name__, *extra, *main_imports()]))
+
+
+_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
+
+
+def main_imports() -> list[str]:
+    """The modules the main script has imported into its namespace: its modules, and those of
+    its classes and functions, where imported here.
+
+    A worker started from a fork server runs the main script again, as ``__mp_main__``, and with
+    it the script's imports: a training script's ``import lightning`` took seconds in every
+    worker at every non-persistent pass. The server's own preload of ``"__main__"`` would have
+    imported them once, but before Python 3.13.x's fix it is lost on the way (the server reads
+    a key ``main_path``, which ``spawn.get_preparation_data`` calls ``init_main_from_path``).
+    Preloaded by name, they are in the server, and the script's imports in a worker find them.
+    """
+    main = sys.modules.get("__main__")
+    names = []
+    for value in list(vars(main).values()) if main is not None else []:
+        name: str | None
+        if isinstance(value, types.ModuleType):
+            name = value.__name__
+        elif isinstance(value, type) or callable(value):
+            name = getattr(value, "__module__", None)
+        else:
+            continue
+        if isinstance(name, str) and name in sys.modules and name not in _NOT_PRELOADED:
+            names.append(name)
+    return list(dict.fromkeys(names))
 
 
 def modules_of(job: Any) -> list[str]:
