@@ -846,7 +846,13 @@ def test_the_main_scripts_imports_are_preloaded(monkeypatch):
     exec("def local(): pass", main.__dict__)  # defined in the script: __module__ is __main__
     monkeypatch.setitem(sys.modules, "__main__", main)
     assert processes.main_imports() == ["numpy", "PIL.Image", "torch.utils.data._utils.collate"]
-    assert processes._forkserver_preload(["x"])[-4:] == ["x", *processes.main_imports()]
+    monkeypatch.setattr(processes, "forkserver_preload", lambda: ["__main__"])  # a new server's
+    assert processes._forkserver_preload(["x"]) == [
+        "__main__",
+        "torch_spdl.processes",
+        "x",
+        *processes.main_imports(),
+    ]
 
 
 PROBE = """
