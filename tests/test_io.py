@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import random
 import types
 import warnings
 from collections.abc import Callable
@@ -581,10 +582,23 @@ def refused_jpegs() -> dict[str, tuple[bytes, str]]:
     scan = good.rindex(b"\xff\xda")
     table = good.index(b"\xff\xc4")
     frame = good.index(b"\xff\xc0")
-    overfull = bytearray(good)  # three codes of length 1: no prefix code has them
-    overfull[table + 5 : table + 7] = bytes([3, 0])
+    overfull = bytearray(good)  # two codes of length 1 (as many codes in all): one is all ones
+    donor = next(i for i in range(1, 16) if overfull[table + 5 + i] >= 2)
+    overfull[table + 5] += 2
+    overfull[table + 5 + donor] -= 2
     twelve_bit = bytearray(good)
     twelve_bit[frame + 4] = 12
+    no_table = bytearray(good)  # component 1 reads quantisation table 3, which is not there
+    no_table[frame + 12] = 3
+    dc_symbol = bytearray(good)  # the first table (DC 0) decodes a size of 200 bits
+    assert dc_symbol[table + 4] >> 4 == 0
+    dc_symbol[table + 21] = 200
+    fractional = bytearray(good)  # luma 2×2, chroma 3×1: 2 does not divide 3
+    fractional[frame + 11], fractional[frame + 14] = 0x22, 0x31
+    progressive = encode(Image.fromarray(photo(60, 80)), "JPEG", progressive=True)
+    first_scan = progressive.index(b"\xff\xda")
+    band = bytearray(progressive)  # a DC scan (band 0-0) made to run to coefficient 5
+    band[first_scan + 6 + 2 * band[first_scan + 4]] = 5
     return {
         "truncated": (good[:-200], "truncated: no end marker after its scan"),
         "unknown marker in its scan": (
@@ -609,6 +623,10 @@ def refused_jpegs() -> dict[str, tuple[bytes, str]]:
             good[:scan] + b"\xff\xdd\x00\x05\x00\x01\x00" + good[scan:],
             "restart interval segment of 3 bytes",
         ),
+        "no quantisation table": (bytes(no_table), "no quantisation table 3"),
+        "DC symbol of 200 bits": (bytes(dc_symbol), "symbols that are not sizes"),
+        "fractional sampling": (bytes(fractional), "sampling factors that do not divide"),
+        "progressive DC band": (bytes(band), "progressive scan of band 0-5"),
     }
 
 
@@ -629,7 +647,64 @@ def accepted_jpegs() -> dict[str, bytes]:
         ),
         "junk and fill bytes before a marker": good[:scan] + b"junk\xff\xff" + good[scan:],
         "data after the end": good + bytes(5000),
+        "no Huffman tables (motion JPEG: the standard ones)": _without_huffman_tables(good),
+        "an unused broken Huffman table": (
+            good[:scan] + b"\xff\xc4\x00\x14\x03\x01" + bytes(15) + b"\xc8" + good[scan:]
+        ),
     }
+
+
+def _without_huffman_tables(data: bytes) -> bytes:
+    """``data`` (a baseline JPEG) with its DHT segments left out."""
+    out, pos = bytearray(data[:2]), 2
+    while data[pos + 1] != 0xDA:
+        length = 2 + (data[pos + 2] << 8 | data[pos + 3])
+        if data[pos + 1] != 0xC4:
+            out += data[pos : pos + length]
+        pos += length
+    return bytes(out + data[pos:])
+
+
+def test_the_jpeg_check_agrees_with_the_decoder_on_damaged_files():
+    """Bytes changed, cut out or put in at random, 600 times over three kinds of JPEG: the check
+    raises nothing but ValueError, refuses no file that libjpeg-turbo decodes, and lets through
+    next to none of those it cannot (a wrong code inside a scan is the CPU fallback's case)."""
+    picture = Image.fromarray(photo(60, 80))
+    kinds = [
+        encode(picture, "JPEG"),
+        encode(picture, "JPEG", progressive=True),
+        encode(picture, "JPEG", restart_marker_blocks=2),
+    ]
+    rng = random.Random(1)
+    refused_decodable, passed_undecodable = [], []
+    for trial in range(600):
+        data = bytearray(kinds[trial % 3])
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(data))
+            if rng.random() < 0.5:
+                data[at] = rng.randrange(256)
+            elif rng.random() < 0.5:
+                del data[at : at + rng.randint(1, 50)]
+            else:
+                data[at:at] = rng.randbytes(rng.randint(1, 8))
+        if not data.startswith(b"\xff\xd8\xff"):
+            continue  # not a JPEG any more: the crop decodes it in preprocess
+        try:
+            check_jpeg(tensor_of(bytes(data)))
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+        try:
+            decode_image(bytes(data))
+            decodes = True
+        except ValueError:
+            decodes = False
+        if refusal is not None and decodes:
+            refused_decodable.append(refusal)
+        if refusal is None and not decodes:
+            passed_undecodable.append(trial)
+    assert refused_decodable == []
+    assert len(passed_undecodable) <= 3, passed_undecodable
 
 
 def test_the_jpeg_check_refuses_what_the_decoder_refuses():
