@@ -688,18 +688,25 @@ def main_imports() -> list[str]:
     Preloaded by name, they are in the server, and the script's imports in a worker find them.
     """
     main = sys.modules.get("__main__")
-    names = []
-    for value in list(vars(main).values()) if main is not None else []:
-        name: str | None
-        if isinstance(value, types.ModuleType):
-            name = value.__name__
-        elif isinstance(value, type) or callable(value):
-            name = getattr(value, "__module__", None)
-        else:
-            continue
-        if isinstance(name, str) and name in sys.modules and name not in _NOT_PRELOADED:
-            names.append(name)
-    return list(dict.fromkeys(names))
+    values = list(vars(main).values()) if main is not None else []
+    imported = (v for v in values if isinstance(v, types.ModuleType) or callable(v))
+    return list(dict.fromkeys(filter(None, map(_module_of, imported))))
+
+
+def _module_of(value: Any) -> str | None:
+    """The module a process imports to have ``value``: a module's own name, a partial's
+    function's module, a class's or function's, else its type's; None where it is not imported
+    here, or is the main script or the builtins."""
+    name: str | None
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    else:
+        owner = value.func if isinstance(value, functools.partial) else value
+        owner = owner if isinstance(owner, type) or callable(owner) else type(owner)
+        name = getattr(owner, "__module__", None)
+    if isinstance(name, str) and name in sys.modules and name not in _NOT_PRELOADED:
+        return name
+    return None
 
 
 def modules_of(job: Any) -> list[str]:
@@ -710,15 +717,7 @@ def modules_of(job: Any) -> list[str]:
     values = [getattr(job, f.name) for f in fields(job)]
     for value in list(values):
         values += list(getattr(value, "__dict__", {}).values())
-    modules = []
-    for value in values:
-        owner = value if isinstance(value, type) or callable(value) else type(value)
-        name = getattr(owner, "__module__", None)
-        if isinstance(value, functools.partial):
-            name = getattr(value.func, "__module__", None)
-        if name and name not in ("__main__", "builtins") and name in sys.modules:
-            modules.append(name)
-    return list(dict.fromkeys(modules))
+    return list(dict.fromkeys(filter(None, map(_module_of, values))))
 
 
 def _explain_pickling(context: Any, error: Exception) -> None:
