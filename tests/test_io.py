@@ -738,7 +738,7 @@ def test_an_image_the_device_refuses_is_decoded_on_the_cpu(monkeypatch, caplog):
     """The batch decodes (and as the CPU path decodes it), the fallback is logged once; an image
     the CPU refuses too fails the batch, naming its position."""
     data = varied_images(4)
-    monkeypatch.setattr(device_decode, "_SAID", [])
+    monkeypatch.setattr(device_decode, "_fallback_logged", False)
     monkeypatch.setattr(
         device_decode, "batch_decoder", lambda device: refusing_decoder({len(data[2])})
     )

@@ -129,10 +129,7 @@ def _decode_alone(
         try:
             return decode([data], read_mode, device)[0]
         except RuntimeError as error:
-            _say_once(
-                f"the decoder on {device} refused an image ({error}); images it refuses "
-                "are decoded on the CPU instead"
-            )
+            _log_fallback_once(device, error)
     try:
         return _decode(data, mode).to(device)
     except (RuntimeError, ValueError) as error:
@@ -141,14 +138,21 @@ def _decode_alone(
         ) from error
 
 
-def _say_once(message: str) -> None:
-    """Log ``message`` the first time only: one odd file in a million need not flood the log."""
-    if not _SAID:
-        _SAID.append(message)
-        logger.warning(message)
+def _log_fallback_once(device: torch.device, error: RuntimeError) -> None:
+    """Say the first time only that images the device refused are decoded on the CPU: one odd
+    file in a million need not flood the log."""
+    global _fallback_logged
+    if _fallback_logged:
+        return
+    _fallback_logged = True
+    logger.warning(
+        "the decoder on %s refused an image (%s); images it refuses are decoded on the CPU instead",
+        device,
+        error,
+    )
 
 
-_SAID: list[str] = []  # what _say_once logged: once per process
+_fallback_logged = False
 
 
 def crop_batch(
