@@ -69,9 +69,7 @@ def jpeg_dimensions(encoded: torch.Tensor) -> tuple[int, int] | None:
     try:
         for marker, start, length in _segments(data):
             if marker in _FRAMES or marker in _UNREAD:
-                if length < 5:
-                    return None
-                return buf[start + 1] << 8 | buf[start + 2], buf[start + 3] << 8 | buf[start + 4]
+                return _size(buf[start : start + length]) if length >= 5 else None
             if marker in (_SOS, _EOI):
                 return None
     except ValueError:
@@ -204,11 +202,16 @@ def _scan_ends(data: np.ndarray, start: int, restarts: bool) -> np.ndarray:
     return ff[ends] + start
 
 
+def _size(frame: memoryview) -> tuple[int, int]:
+    """``(height, width)`` from a frame header's body."""
+    return frame[1] << 8 | frame[2], frame[3] << 8 | frame[4]
+
+
 def _frame(body: memoryview) -> dict[int, Component]:
     """Check a frame header; its components, by id."""
     if len(body) < 6 or len(body) != 6 + 3 * body[5]:
         raise ValueError(f"has a frame header of {len(body)} bytes, wrong for its components")
-    precision, height, width = body[0], body[1] << 8 | body[2], body[3] << 8 | body[4]
+    precision, (height, width) = body[0], _size(body)
     if precision != 8:
         raise ValueError(f"has {precision}-bit samples; the decoders here read 8-bit JPEGs")
     if not height or not width or not body[5]:
