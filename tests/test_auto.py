@@ -9,6 +9,7 @@ import itertools
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -503,27 +504,141 @@ def test_no_main_file_is_safe(monkeypatch):
     assert unguarded_main() is None  # a notebook, python -c: workers import nothing
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_a_staged_dataset_moved_to_processes_is_read_whole_from_the_next_pass(
-    no_leak, decides, persistent
-):
-    """In its first pass ``"auto"`` moves ``preprocess`` to processes, each sample's raw data
-    crossing to a worker; from the next pass on each worker reads its batches whole (loads on its
-    own threads), persistent workers as well; every pass yields torch's batches. (200 samples:
-    the trial's least tasks and steps fit in the first pass whatever the timing.)"""
-    decides(PROCESS)
+def staged_pair(n: int, persistent: bool) -> tuple[Any, Any]:
+    """A torch_spdl loader over ``WhereRead(n)`` and torch's, drawing the same batches."""
     kwargs: dict = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent)
     loader = torch_spdl.DataLoader(
-        WhereRead(200), io_workers=4, generator=torch.Generator().manual_seed(5), **kwargs
+        WhereRead(n), io_workers=4, generator=torch.Generator().manual_seed(5), **kwargs
     )
     reference = torch.utils.data.DataLoader(
-        WhereRead(200), generator=torch.Generator().manual_seed(5), **kwargs
+        WhereRead(n), generator=torch.Generator().manual_seed(5), **kwargs
     )
+    return loader, reference
+
+
+def loaded_whole(batch: dict[str, Any]) -> bool:
+    """Whether a worker process loaded the batch's samples itself, on its own load threads (else
+    the main process's load threads did, for the split pipeline)."""
+    pids, names = set(batch["load"][0].tolist()), set(batch["load"][1])
+    assert len(pids) == 1  # one process loads a batch
+    whole = os.getpid() not in pids
+    assert all(
+        name.startswith("torch_spdl-load" if whole else "torch_spdl.DataLoader") for name in names
+    )
+    return whole
+
+
+def indices(batches: list[dict[str, Any]]) -> list[list[int]]:
+    return [batch["index"].tolist() for batch in batches]
+
+
+class HeldPool:
+    """The worker processes ``"auto"`` starts, held back until :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.up = threading.Event()
+
+    def release(self) -> None:
+        """Let them start, and wait until they are up."""
+        self.gate.set()
+        assert self.up.wait(60)
+
+
+@pytest.fixture
+def pool_start(monkeypatch):
+    """Hold the worker processes ``"auto"`` starts until released; released too when the stage
+    closes, which then starts none."""
+    held = HeldPool()
+    start, close = Switch._start_pool, Switch.close
+
+    def held_start(self: Switch) -> None:
+        held.gate.wait()
+        if not self._closed:
+            start(self)
+        held.up.set()
+
+    def releasing_close(self: Switch) -> None:
+        held.gate.set()
+        close(self)
+
+    monkeypatch.setattr(Switch, "_start_pool", held_start)
+    monkeypatch.setattr(Switch, "close", releasing_close)
+    return held
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_moved_to_processes_late_is_read_whole_from_the_next_pass(
+    no_leak, decides, pool_start, persistent
+):
+    """The processes ``"auto"`` starts come up only after the first pass: it stays split, each
+    sample through the main process's load threads; from the next pass on each worker reads its
+    batches whole (loads on its own threads), persistent workers as well; every pass yields
+    torch's batches."""
+    decides(PROCESS)
+    loader, reference = staged_pair(200, persistent)
     for epoch in range(3):
         batches = list(loader)
-        assert [b["index"].tolist() for b in batches] == [b["index"].tolist() for b in reference]
+        assert indices(batches) == indices(list(reference))
         assert ("each worker loads" in loader.stats().plan) == (epoch > 0), loader.stats().plan
-        loads = {(pid, name) for b in batches for pid, name in zip(*b["load"], strict=True)}
-        if epoch > 0:
-            assert all(name.startswith("torch_spdl-load") for _, name in loads)
-            assert os.getpid() not in {pid for pid, _ in loads}
+        assert {loaded_whole(batch) for batch in batches} == {epoch > 0}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_moved_to_processes_reads_the_rest_of_its_first_pass_whole(
+    no_leak, decides, pool_start, persistent
+):
+    """Once the processes are up, the rest of the first pass is read whole there: the batches
+    the split pipeline took come first, from the main process, then the processes' batches,
+    torch's batches in torch's order throughout; the next passes read whole from the start."""
+    decides(PROCESS)
+    loader, reference = staged_pair(400, persistent)
+    for epoch in range(3):
+        batches = []
+        for batch in loader:
+            batches.append(batch)
+            if epoch == 0 and len(batches) == 20:  # decided by now: the processes come up
+                pool_start.release()
+        assert indices(batches) == indices(list(reference))
+        assert "each worker loads" in loader.stats().plan, loader.stats().plan
+        whole = [loaded_whole(batch) for batch in batches]
+        moved = whole.index(True)  # the first batch read whole; all after it are too
+        assert all(whole[moved:]) and not any(whole[:moved])
+        assert moved < 40 if epoch == 0 else moved == 0
+
+
+def test_a_pass_given_up_while_it_moves_leaves_the_next_passes_torchs(no_leak, decides, pool_start):
+    """Persistent workers: the first pass is left while the split pipeline still has batches
+    and the processes already read; the next passes are torch's (sampler included)."""
+    decides(PROCESS)
+    loader, reference = staged_pair(400, persistent=True)
+    expected = iter(reference)
+    for position, batch in enumerate(loader):
+        assert batch["index"].tolist() == next(expected)["index"].tolist()
+        if position == 20:
+            pool_start.release()
+        if position == 23:  # the move came at batch 21's request, at most 5 batches before
+            break
+    del expected
+    for _ in range(2):
+        assert indices(list(loader)) == indices(list(reference))
+
+
+def test_a_state_saved_after_the_move_resumes_the_rest_of_the_pass(no_leak, decides, pool_start):
+    """The positions of the processes' batches follow the split pipeline's: a state saved after
+    the move resumes exactly the batches not yet delivered."""
+    decides(PROCESS)
+    loader, reference = staged_pair(400, persistent=False)
+    expected = indices(list(reference))
+    taken = []
+    for batch in loader:
+        taken.append(batch)
+        if len(taken) == 20:
+            pool_start.release()
+        if len(taken) == 60:
+            state = loader.state_dict()
+            break
+    assert indices(taken) == expected[:60] and loaded_whole(taken[-1])
+    resumed, _ = staged_pair(400, persistent=False)
+    resumed.load_state_dict(state)
+    assert indices(list(resumed)) == expected[60:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import time
 import traceback
@@ -70,7 +71,7 @@ from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
 from .stats import ConsumerClock, LoaderStats, PeriodicReport, StatsProbe
 from .stream_state import is_stateful
-from .switch import Deferred, Switch
+from .switch import Cut, Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
 from .workers import worker_starter
@@ -288,9 +289,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return None
         return ByteLRU(self.cache_bytes)
 
-    def _plan(self, iterator: _ThreadDataLoaderIter) -> Plan:
+    def _plan(self, iterator: _ThreadDataLoaderIter, moved: bool = False) -> Plan:
         """The next pass's plan (:mod:`torch_spdl.plan`), from the options, torch's arguments as
-        ``iterator`` read them, the dataset and what ``"auto"`` decided before."""
+        ``iterator`` read them, the dataset and what ``"auto"`` decided before; ``moved``: the
+        plan once ``"auto"`` has moved the CPU stage to worker processes."""
         auto_collation = iterator._auto_collation
         batch_size = getattr(self.batch_sampler, "batch_size", None) if auto_collation else 1
         return make_plan(
@@ -302,7 +304,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             iterable=is_iterable(self.dataset),
             hooks=self._hooks,
             cached=self._cache is not None,
-            decided=self._auto.decision,
+            decided=Decision(PROCESS, "moving") if moved else self._auto.decision,
             pin_memory=iterator._pin_memory,
             samples_per_batch=max(1, batch_size or 1),
             stateful=is_stateful(self.dataset),
@@ -495,6 +497,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             )
         plan = self._plan = loader._plan(self)
         self._current = resume.CurrentPass()  # for what the pipeline calls every pass
+        # where "auto" may move a pass mid-way to worker processes reading whole batches: the
+        # pipeline it moves to, and the batches of the pass the first one took (see _move_whole)
+        self._following: tuple[Pipeline[Any], int] | None = None
         self._begin_pass(loader, resumed)
         self._hooks = plan.hooks
         self._streams = WorkerStreams(
@@ -628,14 +633,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return self._pipeline_of(PipelineBuilder().add_source(streams), pool)
         hooks = self._hooks
         if hooks is None:
-            fetch, start = self._fetch_stage(loader, pool, start)
-            source = SharedSource(
-                self._make_source(self._sampler_iter), max_in_flight=plan.in_flight
-            )
-            builder = PipelineBuilder().add_source(source)
-            self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
-            if self._plan.copies and not self._plan.in_order:
-                builder.add_stream(Stream("turns", InTurns()))
+            builder = self._fetch_pipeline(*self._fetch_stage(loader, pool, start))
         else:
             auto = self._auto_collation
             tasks = group_tasks if plan.load_many else sample_tasks
@@ -650,6 +648,49 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._turns is not None:
             pipeline.on_stop(self._turns.stop)
         return pipeline
+
+    def _fetch_pipeline(
+        self, fetch: Callable[[Any], Any], start: Callable[[int], None]
+    ) -> PipelineBuilder:
+        """Batches from the sampler, each read by ``fetch`` (the plan's ``"batches"`` shape)."""
+        plan = self._plan
+        source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=plan.in_flight)
+        builder = PipelineBuilder().add_source(source)
+        self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
+        if plan.copies and not plan.in_order:
+            builder.add_stream(Stream("turns", InTurns()))
+        return builder
+
+    def _move_whole(self, switch: Switch) -> None:
+        """``"auto"`` moved a staged dataset's CPU stage to worker processes, which are up now:
+        they read the rest of the pass whole (``Plan.whole``: each sample loaded, preprocessed
+        and collated in the worker, the batch back through shared memory), in a pipeline of
+        their own. The sampler is cut at the next batch boundary; the split pipeline finishes
+        the batches it took, on its threads, and is read to its end first."""
+        pool = switch.take_pool()
+        if pool is None or self._cut is None or self._moved is None:  # the stage closed first
+            return
+        taken = self._cut.cut()
+        self._sampler_iter = self._cut.rest
+        self._plan = self.stats_probe.plan = dataclasses.replace(
+            self._moved, decision=switch.decision
+        )
+        self._hooks = None
+        self._pool = pool
+        self._make_source = fetch_tasks
+        following = self._pipeline_of(self._fetch_pipeline(pool.fetch, pool.start), pool)
+        self._following = (following, taken)
+
+    def _take_over(self) -> Pipeline[Any]:
+        """The pipeline the pass moved to, once the first has given its last batch (or the
+        pass is given up): it becomes the iterator's."""
+        assert self._following is not None and self._pipeline is not None
+        following, self._offset = self._following
+        self._following = None
+        self._pipeline.close()
+        self._pipeline = following
+        self.stats_probe.stages = following.stage_stats
+        return following
 
     def _fetch_stage(
         self, loader: DataLoader, pool: ProcessPool | None, start: Callable[[int], None]
@@ -728,7 +769,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return fn, start
         decided = self._plan.decision
         inline_possible = name == "fetch" and self._transfer is None
-        make_pool = process_pool(self, loader)
+        make_pool = process_pool(self, loader, self._moved)
         switch = Switch(
             fn,
             name,
@@ -737,6 +778,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe()),
             trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
             route=THREAD if decided is None else decided.executor,
+            hands_over=self._moved is not None,
         )
         self._switch = switch
         self.stats_probe.switch = switch
@@ -884,6 +926,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 data = self._transfer(data)  # in the calling thread too, with num_workers=0
             self._report.maybe_log()
             return data
+        if self._switch is not None and self._switch.pool_ready:
+            self._move_whole(self._switch)
         began = time.monotonic()
         deadline = None if not self._timeout else began + self._timeout
         stall = self._stall_warning
@@ -919,9 +963,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                     warn_at = None  # once per wait
                 self._report.maybe_log()
                 continue
+            except StopIteration:
+                if self._following is None:
+                    raise
+                pipeline = self._take_over()
+                continue
             finally:  # a raised batch counts too
-                self._pass.delivered(pipeline.last_index)
-                self._budget.commit(pipeline.last_index)
+                at = pipeline.last_index
+                at = None if at is None else self._offset + at  # its position in the pass
+                self._pass.delivered(at)
+                self._budget.commit(at)
             self._report.maybe_log()
             return data
 
@@ -997,6 +1048,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         # A persistent iterator outlives a process group coming up: read the sampler anew.
         self._index_sampler = loader._index_sampler
+        if self._following is not None:  # the pass before was given up while it moved
+            self._take_over()
         self._budget.reset()  # the budget is per pass
         self._inline_at = 0
         self._settle()  # the pass before, if it was given up, before the new one draws
@@ -1015,9 +1068,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _replanned(self, loader: DataLoader) -> bool:
         """Whether this persistent iterator's next pass needs another pipeline, now closed: in
         an earlier pass ``"auto"`` moved a staged dataset's stage to worker processes, which from
-        now on read each batch whole (``Plan.whole``) where the split pipeline sent every sample
-        across. The workers then start once more, with the seeds they started with, as torch's
-        persistent workers keep theirs; the new plan holds for the passes after."""
+        now on read each batch whole (``Plan.whole``), but that pass ended before they were up
+        (:meth:`_move_whole`). The workers then start once more, with the seeds they started
+        with, as torch's persistent workers keep theirs; the new plan holds for the passes
+        after."""
         plan = loader._plan(self)
         if plan.whole is None or self._plan.whole is not None:
             return False
@@ -1048,13 +1102,30 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             carried=previous.copy_states() if copies and previous is not None else None,
         )
         self._base_seed, self._sampler_iter = start.base_seed, start.index_stream
+        self._offset = 0  # the first batch of the pipeline read from is the pass's first
+        self._moved = self._moved_plan(loader)
+        self._cut = None if self._moved is None else Cut(self._sampler_iter)
+        if self._cut is not None:
+            self._sampler_iter = self._cut
         self._num_yielded = start.yielded
         self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
         self._current.record = self._pass
 
+    def _moved_plan(self, loader: DataLoader) -> Plan | None:
+        """The plan a pass moves to mid-way, if it may (see :meth:`_move_whole`): ``"auto"``
+        measures a staged dataset whose samples, once in worker processes, are read whole
+        there."""
+        plan = loader._plan(self)
+        if plan.executor != AUTO or plan.decision is not None or plan.hooks is None:
+            return None
+        moved = loader._plan(self, moved=True)
+        return moved if moved.whole is not None else None
+
     def close(self) -> None:
         """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
+        if self._following is not None:
+            self._following[0].close()
         if self._pipeline is not None:
             self._pipeline.close()
         self._settle()

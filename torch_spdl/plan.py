@@ -14,7 +14,8 @@ Shapes (what flows through the stages):
 - ``"batches"``: a map-style dataset without hooks; one task per batch, the ``fetch`` stage calls
   ``__getitem__`` (or ``__getitems__``) and ``collate_fn``, as a torch worker does. A staged
   dataset whose pass starts in worker processes is read so too, each sample through its hooks
-  in the worker (``Plan.whole``). A dataset with
+  in the worker (``Plan.whole``), and so is the rest of a pass in which ``"auto"`` moves it there
+  (:meth:`~torch_spdl.switch.Switch.take_pool`). A dataset with
   state of its own (``state_dict``/``load_state_dict``) is read from one copy per worker, batch
   ``i`` on copy ``i % num_workers``, as torch's workers read it (:mod:`torch_spdl.copies`).
 - ``"samples"``: a map-style dataset with ``load``/``preprocess`` hooks; one task per sample

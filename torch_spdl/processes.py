@@ -1022,24 +1022,27 @@ def _kept(payload: Any, keep: Callable[[Any], None] | None) -> Any:
     return payload.batch
 
 
-def process_pool(iterator: Any, loader: Any) -> PoolStarter:
+def process_pool(iterator: Any, loader: Any, plan: Any = None) -> PoolStarter:
     """What starts the worker processes of a loader's iterator, made now from plain values (it
     holds neither the iterator nor the loader, so the threads that may call it keep neither
     alive).
 
     ``iterator`` is the loader's ``_ThreadDataLoaderIter``; the job mirrors what its thread stage
-    would run: torch's fetch without hooks, ``preprocess`` with them, a per-worker iterator for an
-    IterableDataset (over the iterator's dataset, which may be a per-rank shard of the loader's).
+    would run under ``plan`` (the iterator's own if None): torch's fetch without hooks,
+    ``preprocess`` with them, each batch whole where the plan says so, a per-worker iterator for
+    an IterableDataset (over the iterator's dataset, which may be a per-rank shard of the
+    loader's).
     """
     auto, collate = iterator._auto_collation, iterator._collate_fn
+    plan = plan or iterator._plan
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
-    elif (whole := iterator._plan.whole) is not None:
+    elif (whole := plan.whole) is not None:
         io_threads = -(-loader.io_workers // iterator._num_workers)  # the load stage's, shared
         job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
     elif iterator._hooks is None:
-        job = FetchJob(loader.dataset, auto, collate, records=iterator._plan.copies)
+        job = FetchJob(loader.dataset, auto, collate, records=plan.copies)
     else:
         job = PreprocessJob(iterator._hooks.preprocess, loader.dataset)
     return PoolStarter(

@@ -12,12 +12,20 @@ repeated or reordered by a switch.
 Worker processes start in a thread of their own while the stage threads keep working, so the
 switch costs no pause; a thread binds to its process (``ProcessPool.start``) on its first task
 after the switch. The pool stops with the pipeline (:meth:`close`, from ``Pipeline.on_stop``).
+
+A stage that ``hands_over`` moves further than its own tasks: a staged dataset whose samples,
+once in processes, are best read whole there (``Plan.whole``: each worker loads, preprocesses and
+collates its batches, which come back through shared memory). Its threads go on with the
+samples they have, and the processes it starts are handed to the loader's iterator
+(:meth:`Switch.take_pool`), which reads the rest of the pass from them in a pipeline of its own:
+the pass's sampler is :class:`Cut` between the two at a batch boundary, so every batch is read by
+exactly one of them, and the first's batches are delivered before the second's.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +64,7 @@ class Switch:
         conclude: Callable[[Trial], Decision],
         trial: Trial | None,
         route: str = THREAD,
+        hands_over: bool = False,
     ) -> None:
         self._local = local
         self._remote = remote
@@ -71,6 +80,8 @@ class Switch:
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
         self._closed = False
+        self._hands_over = hands_over
+        self.pool_ready = False  # hands_over: the processes are up, for take_pool
 
     # -- the stage's on_start and fn --------------------------------------------------------------
     def on_start(self, worker_id: int) -> None:
@@ -125,7 +136,10 @@ class Switch:
                 pool.close()
                 return
             self._pool = pool
-            self.route = PROCESS
+            if self._hands_over:
+                self.pool_ready = True
+            else:
+                self.route = PROCESS
 
     def _in_process(self, task: Any) -> Any:
         pool = self._pool
@@ -134,6 +148,14 @@ class Switch:
             pool.start(self._ids.worker)
             self._ids.bound = True
         return getattr(pool, self._remote)(task)
+
+    def take_pool(self) -> ProcessPool | None:
+        """The worker processes a stage that ``hands_over`` started, once they are up (None
+        before, and once the stage has closed); the caller owns them from then on."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self.pool_ready = False
+        return pool
 
     @property
     def start_error(self) -> BaseException | None:
@@ -150,6 +172,39 @@ class Switch:
         if starter is not None and starter is not threading.current_thread():
             starter.join()
         with self._lock:
-            pool = self._pool
+            pool, self._pool = self._pool, None
+            self.pool_ready = False
         if pool is not None:
             pool.close()
+
+
+class Cut:
+    """The batches of a pass for the pipeline it starts with: the sampler's, until :meth:`cut`.
+
+    After the cut the first pipeline's source ends at once (its epoch ends after the batches it
+    took), and :attr:`rest` holds the sampler's batches from the next one on, for the pipeline
+    the pass moves to. A batch is taken and counted under one lock, so the count the cut returns
+    is exactly the batches the first pipeline has."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.rest = batches
+        self._lock = threading.Lock()
+        self._taken = 0
+        self._cut = False
+
+    def __iter__(self) -> Cut:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            if self._cut:
+                raise StopIteration
+            batch = next(self.rest)
+            self._taken += 1
+            return batch
+
+    def cut(self) -> int:
+        """End the first pipeline's batches here; how many it took."""
+        with self._lock:
+            self._cut = True
+            return self._taken
