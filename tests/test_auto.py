@@ -391,7 +391,7 @@ def decides(monkeypatch):
         def fixed(measured, **_):
             return Decision(executor, "the test decided", measured)
 
-        monkeypatch.setattr(torch_spdl.dataloader, "decide", fixed)
+        monkeypatch.setattr(torch_spdl.iterator, "decide", fixed)
         monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
 
     return set_executor

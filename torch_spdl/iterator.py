@@ -1,0 +1,738 @@
+"""The iterator of :class:`torch_spdl.DataLoader`: one pass's plan turned into a pipeline, and
+the batches it delivers.
+
+It subclasses torch's ``_BaseDataLoaderIter`` for the parts that must stay identical (the one
+``generator`` draw per iterator, pin_memory warnings, the IterableDataset length warning,
+``len()``). Each pass starts from a :class:`~torch_spdl.plan.Plan`; without workers the calling
+thread fetches every batch, as torch's single-process iterator does, and with workers the plan's
+stages run on a :class:`~torch_spdl.pipeline.Pipeline` (thread pools, or threads that each drive a
+worker process). ``worker_method="auto"`` may move the CPU stage during a pass
+(:mod:`torch_spdl.switch`); a staged dataset then moves to a second pipeline that reads the rest
+of the pass whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch.utils.data
+
+from . import gil, resume
+from .auto import PROCESS, THREAD, Decision, Trial, decide
+from .batching import (
+    Assembler,
+    FetchTask,
+    IterableBatches,
+    SampleTask,
+    async_sample_stage,
+    batch_fetcher,
+    fetch_tasks,
+    finisher,
+    sample_stage,
+    sample_tasks,
+    tolerant_batch,
+    tolerant_batches,
+)
+from .cache import cached
+from .compat import (
+    BaseDataLoaderIter,
+    is_iterable,
+    iterator_error,
+    pin_memory,
+    profiler_enabled,
+)
+from .copies import CopyTask, InTurns, ThreadCopies, Turns, on_copies
+from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
+from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
+from .hooks import Hooks
+from .pipeline import Failure, Pipeline, PipelineBuilder, SharedSource, Stream, WorkerSource
+from .pipeline.stages import where
+from .pipeline.stats import StageStats, call_timed
+from .plan import AUTO, STREAMS, Plan
+from .processes import ProcessPool, attach, process_pool
+from .sampling import WorkerStreams
+from .stall import diagnose as stall_diagnosis
+from .stall import warn as stall_warn
+from .stats import ConsumerClock, PeriodicReport, StatsProbe
+from .switch import Cut, Deferred, Switch
+from .thread_safety import thread_safe_view
+from .transfer import DeviceTransfer, rank_device, resolve_device
+from .workers import worker_starter
+
+if TYPE_CHECKING:
+    from .dataloader import DataLoader
+
+
+class _ThreadDataLoaderIter(BaseDataLoaderIter):
+    def __init__(self, loader: DataLoader) -> None:
+        resumed = loader._take_continuation()
+        # a pass resumed mid-way made its draws before the state: undo the base_seed draw
+        undo_draw = resumed is not None and not resumed.draws_base_seed and loader.generator is None
+        with torch.random.fork_rng(devices=[], enabled=undo_draw):
+            super().__init__(loader)
+        if self._num_workers == 0 and self._timeout != 0:
+            raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
+        prefetch_factor = loader.prefetch_factor  # torch sets it (2) where there are workers
+        if self._num_workers > 0 and (prefetch_factor is None or prefetch_factor <= 0):
+            raise iterator_error(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
+        plan = self._plan = loader._plan(self)
+        self._current = resume.CurrentPass()  # for what the pipeline calls every pass
+        # where "auto" may move a pass mid-way to worker processes reading whole batches: the
+        # pipeline it moves to, and the batches of the pass the first one took (see _move_whole)
+        self._following: tuple[Pipeline[Any], int] | None = None
+        self._begin_pass(loader, resumed)
+        self._hooks = plan.hooks
+        self._streams = WorkerStreams(
+            self._dataset,
+            self._num_workers,
+            loader._rank_split(),
+            loader._uneven(),
+            copies=self._num_workers > 0 and plan.executor != PROCESS,  # a process has its own
+        )
+        self._transfer = self._device_transfer(loader)
+        self._finish = finisher(self._collate_fn, self._pinner())
+        self._budget = FailureBudget(loader.max_failures)
+        self._clock = ConsumerClock()
+        self.stats_probe = StatsProbe(self._clock, self._budget, plan)
+        self._switch: Switch | None = None
+        self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
+        self._stall_warning = loader.stall_warning
+        self._pool: ProcessPool | None = None
+        self._turns: Turns | None = None  # a dataset with state: its copies' turns (copies.py)
+        # the tasks of a pass, from the indices the sampler gives: set with the pipeline
+        self._make_source: Callable[[Iterable[Any]], Iterator[Any]] = fetch_tasks
+        self._pipeline: Pipeline[Any] | None = None
+        if plan.inline:
+            self._inline_at = 0  # the position of the next batch in the pass
+            self._inline_stats = StageStats("fetch", "inline", 1, 1)
+            self.stats_probe.stages = [self._inline_stats]
+            self._fetch = self._inline_fetcher(loader)
+        else:
+            self._dataset = thread_safe_view(self._dataset)
+            self._pipeline = self._start_pipeline(loader)
+            self.stats_probe.stages = self._pipeline.stage_stats
+
+    def _device_transfer(self, loader: DataLoader) -> DeviceTransfer | None:
+        device = resolve_device(loader.device)
+        if device is None:
+            return None
+        return DeviceTransfer(rank_device(device), loader.device_transform)
+
+    def _pinner(self) -> Callable[[Any], Any] | None:
+        """How a finished batch is pinned, or None. Where torch would pin (pin_memory=True and an
+        accelerator), as torch's iterator decided (its ``_pin_memory_device``: the accelerator
+        from torch 2.9 on, None, meaning the current accelerator, or the user's device before);
+        and always before a copy to a CUDA device, since copies from pinned memory are the ones
+        that can overlap compute."""
+        if not self._plan.pins:
+            return None
+        if self._transfer is not None and self._transfer.device.type == "cuda":
+            return functools.partial(pin_memory, device=None)  # the current accelerator: CUDA
+        return functools.partial(pin_memory, device=self._pin_memory_device)
+
+    # -- num_workers=0: everything in the calling thread, as torch does --------------------------
+    def _load(self, loader: DataLoader, hooks: Hooks) -> Callable[[Any], Any]:
+        """The load hook of the dataset actually read, through the loader's cache if it has one."""
+        load = hooks.load_from(self._dataset)
+        return load if loader._cache is None else cached(load, loader._cache, hooks.load_is_async)
+
+    def _inline_fetcher(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
+        """What fetches one batch in the calling thread, given it as a task (numbered by its
+        position in the pass, as the pipeline's are)."""
+        hooks = self._hooks
+        if self._plan.shape == STREAMS:
+            batches = iter(self._iterable_worker()(0))  # the batches a worker would make
+            return lambda task: next(batches)
+        if hooks is None:
+            return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+        load = self._load(loader, hooks)
+        if hooks.load_is_async:
+            load_async = load
+            load = lambda index: asyncio.run(load_async(index))  # noqa: E731
+        preprocess = hooks.preprocess
+        if self._plan.skips_failures:
+            return self._tolerant_inline(load, preprocess)
+
+        load_all = self._inline_loads(load, hooks)
+
+        def fetch(task: FetchTask) -> Any:
+            if not self._auto_collation:
+                return self._finish(preprocess(load_all([task.index])[0]))
+            return self._finish([preprocess(raw) for raw in load_all(task.index)])
+
+        return fetch
+
+    def _inline_loads(
+        self, load: Callable[[Any], Any], hooks: Hooks
+    ) -> Callable[[list[Any]], list[Any]]:
+        """What loads a batch's raw samples in the loop's thread: one ``load_many`` call where
+        the plan has it, else ``load`` for each index."""
+        load_many = hooks.load_many
+        if not self._plan.load_many or load_many is None:
+            return lambda indices: [load(i) for i in indices]
+        if hooks.load_many_is_async:
+            load_async = load_many
+            load_many = lambda indices: asyncio.run(load_async(indices))  # noqa: E731
+        return loads_many(load_many)
+
+    def _tolerant_inline(
+        self, load: Callable[[Any], Any], preprocess: Callable[[Any], Any]
+    ) -> Callable[[FetchTask], Any]:
+        steps = [("load", load), ("preprocess", preprocess)]
+        auto, finish, budget = self._auto_collation, self._finish, self._budget
+        return lambda task: tolerant_batch(task.index, auto, steps, finish, budget, task.number)
+
+    # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
+    def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
+        plan = self._plan
+        # worker processes from the start, or None for worker threads
+        pool = process_pool(self, loader)() if plan.executor == PROCESS else None
+        self._pool = pool
+        self._switch = None
+        iterable = plan.shape == STREAMS
+        start = (
+            pool.start
+            if pool is not None
+            else worker_starter(
+                loader.dataset,
+                self._num_workers,
+                int(self._base_seed),
+                loader.worker_init_fn,
+                # a stream's worker threads each have their own copy of the dataset
+                copies=self._streams.dataset if iterable else None,
+            )
+        )
+        if iterable:
+            streams = WorkerSource(
+                self._iterable_worker() if pool is None else self._current.batches(pool.batches),
+                self._num_workers,
+                max_in_flight=plan.in_flight,
+                name="fetch",
+                on_start=start,
+            )
+            return self._pipeline_of(PipelineBuilder().add_source(streams), pool)
+        hooks = self._hooks
+        if hooks is None:
+            builder = self._fetch_pipeline(*self._fetch_stage(loader, pool, start))
+        else:
+            auto = self._auto_collation
+            tasks = group_tasks if plan.load_many else sample_tasks
+            self._make_source = lambda indices: tasks(indices, auto)
+            source = SharedSource(
+                self._make_source(self._sampler_iter), numbered=True, max_in_flight=plan.in_flight
+            )
+            builder = self._staged(PipelineBuilder().add_source(source), loader, hooks, start, pool)
+        pipeline = self._pipeline_of(builder, pool)
+        if self._switch is not None:
+            pipeline.on_stop(self._switch.close)
+        if self._turns is not None:
+            pipeline.on_stop(self._turns.stop)
+        return pipeline
+
+    def _fetch_pipeline(
+        self, fetch: Callable[[Any], Any], start: Callable[[int], None]
+    ) -> PipelineBuilder:
+        """Batches from the sampler, each read by ``fetch`` (the plan's ``"batches"`` shape)."""
+        plan = self._plan
+        source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=plan.in_flight)
+        builder = PipelineBuilder().add_source(source)
+        self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
+        if plan.copies and not plan.in_order:
+            builder.add_stream(Stream("turns", InTurns()))
+        return builder
+
+    def _move_whole(self, switch: Switch) -> None:
+        """``"auto"`` moved a staged dataset's CPU stage to worker processes, which are up now:
+        they read the rest of the pass whole (``Plan.whole``: each sample loaded, preprocessed
+        and collated in the worker, the batch back through shared memory), in a pipeline of
+        their own. The sampler is cut at the next batch boundary; the split pipeline finishes
+        the batches it took, on its threads, and is read to its end first."""
+        pool = switch.take_pool()
+        if pool is None or self._cut is None or self._moved is None:  # the stage closed first
+            return
+        taken = self._cut.cut()
+        self._sampler_iter = self._cut.rest
+        self._plan = self.stats_probe.plan = dataclasses.replace(
+            self._moved, decision=switch.decision
+        )
+        self._hooks = None
+        self._pool = pool
+        self._make_source = fetch_tasks
+        following = self._pipeline_of(self._fetch_pipeline(pool.fetch, pool.start), pool)
+        self._following = (following, taken)
+
+    def _take_over(self) -> Pipeline[Any]:
+        """The pipeline the pass moved to, once the first has given its last batch (or the
+        pass is given up): it becomes the iterator's."""
+        assert self._following is not None and self._pipeline is not None
+        following, self._offset = self._following
+        self._following = None
+        self._pipeline.close()
+        self._pipeline = following
+        self.stats_probe.stages = following.stage_stats
+        return following
+
+    def _fetch_stage(
+        self, loader: DataLoader, pool: ProcessPool | None, start: Callable[[int], None]
+    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
+        """The ``fetch`` stage's function and ``on_start``, and the source's tasks for it."""
+        if self._plan.copies:
+            return self._on_copies(pool), start
+        self._make_source = fetch_tasks
+        return self._cpu_stage(
+            loader,
+            batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+            if pool is None
+            else pool.fetch,
+            start,
+            "fetch",
+            tasks_per_batch=1,
+        )
+
+    def _on_copies(self, pool: ProcessPool | None) -> Callable[[CopyTask], Any]:
+        """The fetch stage over one copy of a dataset with state per worker, batch ``i`` on copy
+        ``i % num_workers`` (:mod:`torch_spdl.copies`), in worker threads or processes; the
+        pass's source numbers the tasks so (:func:`~torch_spdl.copies.copy_tasks`)."""
+        turns = self._turns = Turns(self._num_workers)
+        if pool is not None:
+            run = pool.fetch_on
+        else:
+            auto, finish, budget = self._auto_collation, self._finish, self._budget
+            fetcher = lambda dataset: batch_fetcher(dataset, auto, finish, budget)  # noqa: E731
+            run = ThreadCopies(self._dataset, self._num_workers, fetcher).run
+
+        self._make_source = self._current.copy_tasks(turns)
+        return on_copies(run, turns, tagged=not self._plan.in_order)
+
+    def _pipe(
+        self,
+        builder: PipelineBuilder,
+        fn: Callable[[Any], Any],
+        name: str,
+        concurrency: int,
+        describe: Callable[[Any], str],
+        on_start: Callable[[int], None] | None,
+    ) -> PipelineBuilder:
+        """One of the plan's stages, in the plan's order."""
+        order = "input" if self._plan.in_order else "completion"
+        return builder.pipe(
+            fn,
+            concurrency=concurrency,
+            name=name,
+            output_order=order,
+            describe=describe,
+            on_start=on_start,
+        )
+
+    def _pipeline_of(self, builder: PipelineBuilder, pool: ProcessPool | None) -> Pipeline[Any]:
+        """The plan's pipeline: ``builder``'s stages, then the transfer stage where the plan has
+        one; it stops ``pool`` when it stops."""
+        if self._transfer is not None:  # one thread owning the transfer stream
+            transfer = self._transfer
+            self._pipe(builder, transfer, "transfer", 1, _a_batch, transfer.start)
+        name = f"torch_spdl.DataLoader-{id(self):x}"
+        pipeline = builder.add_sink().build(persistent=self._plan.persistent, name=name)
+        return attach(pipeline, pool)
+
+    def _cpu_stage(
+        self,
+        loader: DataLoader,
+        fn: Callable[[Any], Any],
+        start: Callable[[int], None],
+        name: str,
+        tasks_per_batch: int,
+    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
+        """The CPU stage's function and ``on_start``: as given, or, with ``"auto"``, through a
+        :class:`~torch_spdl.switch.Switch` that measures the first batches and may move the stage
+        to worker processes or into the training loop's thread."""
+        if self._plan.executor != AUTO:
+            return fn, start
+        decided = self._plan.decision
+        inline_possible = name == "fetch" and self._transfer is None
+        make_pool = process_pool(self, loader, self._moved)
+        switch = Switch(
+            fn,
+            name,
+            start=start,
+            make_pool=make_pool,
+            conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe()),
+            trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
+            route=THREAD if decided is None else decided.executor,
+            hands_over=self._moved is not None,
+        )
+        self._switch = switch
+        self.stats_probe.switch = switch
+        return switch, switch.on_start
+
+    def _concluder(
+        self,
+        loader: DataLoader,
+        inline_possible: bool,
+        tasks_per_batch: int,
+        no_processes: str | None,
+    ) -> Callable[[Trial], Decision]:
+        """What turns a trial into a decision, holding plain values only (stage threads call it)."""
+        state = loader._auto
+        if self._budget.enabled and self._hooks is None:
+            no_processes = "max_failures skips samples on threads only when there are no hooks"
+        try:
+            total: int | None = len(self._index_sampler) * tasks_per_batch
+        except TypeError:
+            total = None
+
+        def conclude(trial: Trial) -> Decision:
+            measured = trial.measured()
+            remaining = None if total is None else max(0, total - measured.stage.count)
+            decision = decide(
+                measured,
+                gil_enabled=gil.gil_enabled(),
+                no_processes=no_processes,
+                inline_possible=inline_possible,
+                remaining_tasks=remaining,
+            )
+            if decision.final:
+                state.decision = decision
+            return decision
+
+        return conclude
+
+    def _staged(
+        self,
+        builder: PipelineBuilder,
+        loader: DataLoader,
+        hooks: Hooks,
+        start: Callable[[int], None],
+        pool: ProcessPool | None = None,
+    ) -> PipelineBuilder:
+        """load (I/O pool or event loop) → preprocess (num_workers threads) → collate."""
+        wrap = async_sample_stage if hooks.load_is_async else sample_stage
+        # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
+        io_seed = int(self._base_seed) + self._num_workers
+        io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
+        assembler = Assembler(self._auto_collation, self._finish, self._budget)
+        preprocess, start = self._cpu_stage(
+            loader,
+            sample_stage(hooks.preprocess, lambda task: task.value)
+            if pool is None
+            else pool.preprocess,
+            start,
+            "preprocess",
+            tasks_per_batch=self._plan.samples_per_batch,
+        )
+        if self._plan.load_many:  # aggregate → one load_many call → disaggregate
+            assert hooks.load_many is not None  # the plan says it has one
+            many = async_group_loader if hooks.load_many_is_async else group_loader
+            describe = SampleGroup.describe
+            self._pipe(
+                builder, many(hooks.load_many), "load_many", loader.io_workers, describe, io_start
+            )
+            builder.add_stream(Stream("split", split))
+        else:
+            load = wrap(self._load(loader, hooks), lambda task: task.index)
+            self._pipe(builder, load, "load", loader.io_workers, SampleTask.describe, io_start)
+        self._pipe(builder, preprocess, "preprocess", self._num_workers, SampleTask.describe, start)
+        return builder.add_stream(Stream("collate", assembler, on_restart=assembler.restart))
+
+    def _iterable_batch_size(self) -> int | None:
+        return self._index_sampler.batch_size if self._auto_collation else None
+
+    def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
+        """What torch's worker process does for an IterableDataset: its own iterator (of its own
+        copy, split by rank where needed: :class:`~torch_spdl.sampling.WorkerStreams`), batched;
+        resumed where a state says (:meth:`resume.PassRecord.stream`).
+
+        Closures over plain values, not bound methods: the worker threads must not hold the
+        iterator, or dropping it could never stop them.
+        """
+        streams, auto, finish = self._streams, self._auto_collation, self._finish
+        drop_last, batch_size, budget = self._drop_last, self._iterable_batch_size(), self._budget
+        batches: Callable[[Any], Iterable[Any]]
+        if budget.enabled:
+            batches = lambda stream: tolerant_batches(  # noqa: E731
+                stream, batch_size, drop_last, finish, budget
+            )
+        else:
+            batches = lambda stream: IterableBatches(  # noqa: E731
+                stream, auto, finish, drop_last, batch_size
+            )
+        return self._current.streams(streams.stream, batches)
+
+    # -- iteration --------------------------------------------------------------------------------
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._pass.took()
+        return index
+
+    def _next_data(self) -> Any:
+        trial = None if self._switch is None else self._switch.trial
+        if trial is not None:  # the training loop's step ends: see torch_spdl.auto
+            trial.step_ended()
+        started = self._clock.waiting()
+        while True:
+            try:
+                data = self._next_batch()
+            except StopIteration:
+                self._budget.commit_all()  # failures after the last batch of a stream count too
+                self._check_budget()
+                raise
+            if self._budget.enabled:
+                self._check_budget()
+            if data is not SKIPPED:  # a batch whose every sample failed, within the budget
+                break
+        self._clock.got(started)
+        if trial is not None:
+            trial.step_began()
+        return data if self._transfer is None else self._transfer.hand_over(data)
+
+    def _check_budget(self) -> None:
+        """Past the failure budget the pass is over: stop its threads, then say why."""
+        try:
+            self._budget.check()
+        except FailureBudgetExceeded:
+            self.close()
+            self._sampler_iter = iter(())  # nothing more to fetch inline either
+            raise
+
+    def _next_batch(self) -> Any:
+        """The next batch from the pipeline, or fetched here when there are no workers."""
+        if self._pipeline is None:
+            task = FetchTask(self._next_index(), self._inline_at)
+            self._inline_at += 1
+            try:
+                data = call_timed(self._inline_stats.record(0), self._fetch, task)
+            finally:
+                self._budget.commit(task.number)  # a raised batch counts too
+            if self._transfer is not None and data is not SKIPPED:
+                data = self._transfer(data)  # in the calling thread too, with num_workers=0
+            self._report.maybe_log()
+            return data
+        if self._switch is not None and self._switch.pool_ready:
+            self._move_whole(self._switch)
+        began = time.monotonic()
+        deadline = None if not self._timeout else began + self._timeout
+        stall = self._stall_warning
+        warn_at = None if stall is None else began + stall
+        trial = None if self._switch is None else self._switch.trial
+        if trial is not None:
+            trial.consumer_waits(True)  # the GIL probe's knocks count now: see torch_spdl.auto
+        try:
+            return self._wait_for_batch(began, deadline, stall, warn_at)
+        finally:
+            if trial is not None:
+                trial.consumer_waits(False)
+
+    def _wait_for_batch(
+        self, began: float, deadline: float | None, stall: float | None, warn_at: float | None
+    ) -> Any:
+        """The next batch from the pipeline, with ``timeout``, stall warnings and reports."""
+        pipeline = self._pipeline
+        assert pipeline is not None  # with workers
+        while True:
+            try:
+                data = pipeline.get(self._wait_limit(deadline, warn_at))
+                if isinstance(data, Deferred):
+                    data = run_deferred(data)
+            except TimeoutError:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RuntimeError(
+                        f"DataLoader timed out after {self._timeout} seconds\n{self.diagnosis()}"
+                    ) from None
+                if stall is not None and warn_at is not None and now >= warn_at:
+                    stall_warn(now - began, stall, self.diagnosis())
+                    warn_at = None  # once per wait
+                self._report.maybe_log()
+                continue
+            except StopIteration:
+                if self._following is None:
+                    raise
+                pipeline = self._take_over()
+                continue
+            finally:  # a raised batch counts too
+                at = pipeline.last_index
+                at = None if at is None else self._offset + at  # its position in the pass
+                self._pass.delivered(at)
+                self._budget.commit(at)
+            self._report.maybe_log()
+            return data
+
+    def _wait_limit(self, *ends: float | None) -> float | None:
+        """How long the next wait may last: until the first of ``ends`` (the timeout, a stall
+        warning) or the next periodic report."""
+        now = time.monotonic()
+        limits = [max(0.0, end - now) for end in ends if end is not None]
+        report = self._report.wait_limit()
+        if report is not None:
+            limits.append(report)
+        return min(limits, default=None)
+
+    def diagnosis(self) -> str:
+        """What each stage is on now, the oldest first, with each thread's (or worker
+        process's) stack: why no batch comes (:mod:`torch_spdl.stall`)."""
+        if self._pipeline is None:
+            return "No worker threads: the loop's own thread loads the data."
+        pool = self._pool
+        return stall_diagnosis(
+            self._pipeline.in_flight(),
+            pool.stack if pool is not None else lambda thread: None,
+        )
+
+    def __next__(self) -> Any:
+        try:
+            if profiler_enabled():
+                return super().__next__()  # torch's own, inside its record_function region
+            return self._next_unprofiled()
+        except StopIteration:
+            self._pass.finished = True
+            raise
+        except Exception as error:
+            if self._pipeline is None:
+                raise
+            # The traceback holds this frame, and with it the iterator and its threads, for as long
+            # as the caller keeps the exception. torch keeps the iterator usable after an error,
+            # so we do not close it; we only let a dropped iterator be collected.
+            traceback.clear_frames(error.__traceback__)
+            del self
+            raise
+
+    def _next_unprofiled(self) -> Any:
+        """torch's ``__next__`` without its ``record_function`` region, for when no profiler
+        records it. The region's two torch ops release the GIL, and a worker thread running
+        Python takes it: the consumer then waits for the worker's next block or for the switch
+        interval, twice per batch (with one worker thread on 2 cores: a sixth of workload C's
+        speed)."""
+        if self._sampler_iter is None:
+            self._reset()  # type: ignore[call-arg]
+        data = self._next_data()
+        self._num_yielded += 1
+        if (
+            is_iterable(self._dataset)
+            and self._IterableDataset_len_called is not None
+            and self._num_yielded > self._IterableDataset_len_called
+        ):
+            warn_msg = (
+                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched. "
+            )
+            if self._num_workers > 0:
+                warn_msg += (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples."
+                )
+            warnings.warn(warn_msg, stacklevel=3)
+        return data
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        # A persistent iterator outlives a process group coming up: read the sampler anew.
+        self._index_sampler = loader._index_sampler
+        if self._following is not None:  # the pass before was given up while it moved
+            self._take_over()
+        self._budget.reset()  # the budget is per pass
+        self._inline_at = 0
+        self._settle()  # the pass before, if it was given up, before the new one draws
+        super()._reset(loader, first_iter)
+        self._begin_pass(loader, loader._take_continuation(), self._pass)
+        if self._pipeline is None or first_iter:
+            return
+        if self._pipeline.closed or self._replanned(loader):  # start the threads again
+            self._pipeline = self._start_pipeline(loader)
+            self.stats_probe.stages = self._pipeline.stage_stats
+        elif is_iterable(self._dataset):
+            self._pipeline.restart()
+        else:
+            self._pipeline.restart(self._make_source(self._sampler_iter))
+
+    def _replanned(self, loader: DataLoader) -> bool:
+        """Whether this persistent iterator's next pass needs another pipeline, now closed: in
+        an earlier pass ``"auto"`` moved a staged dataset's stage to worker processes, which from
+        now on read each batch whole (``Plan.whole``), but that pass ended before they were up
+        (:meth:`_move_whole`). The workers then start once more, with the seeds they started
+        with, as torch's persistent workers keep theirs; the new plan holds for the passes
+        after."""
+        plan = loader._plan(self)
+        if plan.whole is None or self._plan.whole is not None:
+            return False
+        assert self._pipeline is not None  # only a pipeline's pass is replanned
+        self._pipeline.close()
+        self._plan = self.stats_probe.plan = plan
+        self._hooks = plan.hooks
+        return True
+
+    def _begin_pass(
+        self,
+        loader: DataLoader,
+        continuation: resume.Continuation | None,
+        previous: resume.PassRecord | None = None,
+    ) -> None:
+        """Record the pass that starts now; however it ends, its sampler is settled
+        (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed. The
+        worker copies of a dataset with state go on from where the ``previous`` pass (of
+        persistent workers) left them."""
+        copies = self._num_workers if self._plan.copies else 0
+        start = resume.start_pass(
+            loader,
+            continuation,
+            int(self._base_seed),
+            self._sampler_iter,
+            prime=not self._plan.inline,
+            copies=copies,
+            carried=previous.copy_states() if copies and previous is not None else None,
+        )
+        self._base_seed, self._sampler_iter = start.base_seed, start.index_stream
+        self._offset = 0  # the first batch of the pipeline read from is the pass's first
+        self._moved = self._moved_plan(loader)
+        self._cut = None if self._moved is None else Cut(self._sampler_iter)
+        if self._cut is not None:
+            self._sampler_iter = self._cut
+        self._num_yielded = start.yielded
+        self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
+        self._settle = weakref.finalize(self, self._pass.settle)
+        self._current.record = self._pass
+
+    def _moved_plan(self, loader: DataLoader) -> Plan | None:
+        """The plan a pass moves to mid-way, if it may (see :meth:`_move_whole`): ``"auto"``
+        measures a staged dataset whose samples, once in worker processes, are read whole
+        there."""
+        plan = loader._plan(self)
+        if plan.executor != AUTO or plan.decision is not None or plan.hooks is None:
+            return None
+        moved = loader._plan(self, moved=True)
+        return moved if moved.whole is not None else None
+
+    def close(self) -> None:
+        """Stop and join this iterator's threads now (garbage collection does it otherwise)."""
+        if self._following is not None:
+            self._following[0].close()
+        if self._pipeline is not None:
+            self._pipeline.close()
+        self._settle()
+
+
+def run_deferred(deferred: Deferred) -> Any:
+    """A fetch that ``"auto"`` left to the training loop's thread, run now; an error reads as the
+    stage's would (its type, the stage, the dataset indices), as in ``num_workers=0`` a
+    BaseException is raised as itself."""
+    try:
+        return deferred.run()
+    except Exception:
+        task = deferred.task
+        where_ = where("fetch", task.describe()) + " (in the training loop's thread)"
+        Failure.capture(where_, task, "fetch").reraise()
+
+
+def _a_batch(batch: Any) -> str:
+    """How the transfer stage names what it failed on."""
+    return "a batch"
