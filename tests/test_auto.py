@@ -642,3 +642,47 @@ def test_a_state_saved_after_the_move_resumes_the_rest_of_the_pass(no_leak, deci
     resumed, _ = staged_pair(400, persistent=False)
     resumed.load_state_dict(state)
     assert indices(list(resumed)) == expected[60:]
+
+
+def test_a_move_in_completion_order_loses_and_repeats_nothing(no_leak, decides, pool_start):
+    decides(PROCESS)
+    loader = torch_spdl.DataLoader(
+        WhereRead(400), batch_size=4, shuffle=True, num_workers=2, in_order=False, io_workers=4
+    )
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 20:
+            pool_start.release()
+    assert sorted(i for batch in batches for i in batch["index"].tolist()) == list(range(400))
+    assert loaded_whole(batches[-1]) and not loaded_whole(batches[0])
+
+
+class FailsAt(WhereRead):
+    """WhereRead whose ``preprocess`` raises for index ``at``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def preprocess(self, raw: tuple[int, int, str]) -> dict[str, Any]:
+        if raw[0] == self.at:
+            raise ValueError(f"bad sample {raw[0]}")
+        return super().preprocess(raw)
+
+
+def test_an_error_after_the_move_names_its_index_and_the_pass_goes_on(no_leak, decides, pool_start):
+    """As before the move, and as torch: the batch with the failing sample raises, naming the
+    sample's stage and dataset index, and the next batches come."""
+    decides(PROCESS)
+    loader = torch_spdl.DataLoader(FailsAt(400, at=350), batch_size=4, num_workers=2, io_workers=4)
+    iterator = iter(loader)
+    batches = [next(iterator) for _ in range(20)]
+    pool_start.release()
+    batches += [next(iterator) for _ in range(87 - 20)]  # batch 87 holds index 350
+    where = r"stage 'preprocess' for dataset index 350 \(worker process \d\)[\s\S]*bad sample 350"
+    with pytest.raises(ValueError, match=where):
+        next(iterator)
+    batches += list(iterator)
+    assert [i for b in batches for i in b["index"].tolist()] == [*range(348), *range(352, 400)]
+    assert loaded_whole(batches[-1])
