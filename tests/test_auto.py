@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, IterableDataset
 import torch_spdl
 from torch_spdl import auto, gil
 from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision, Measured, Tally, Trial, decide
-from torch_spdl.switch import Switch
+from torch_spdl.switch import Cut, Switch
 
 
 def measured(
@@ -250,6 +250,49 @@ def test_processes_that_cannot_start_leave_the_stage_on_threads(no_leak):
     assert switch.route == THREAD
     assert "could not start (RuntimeError: no processes here)" in str(switch.decision)
     assert [switch(task) for task in range(2)] == [0, 2]
+
+
+class _FakePool:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("hands_over", [False, True])
+def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_over):
+    """Handing over, the stage's own tasks stay on its threads and the pool is the caller's to
+    take, once; else the stage routes its tasks to the pool and nobody may take it."""
+    pool = _FakePool()
+    trial = Trial(1)
+    switch = Switch(
+        lambda task: task * 2,
+        "fetch",
+        start=lambda worker: None,
+        make_pool=lambda: pool,
+        conclude=lambda trial: Decision(PROCESS, "test"),
+        trial=trial,
+        hands_over=hands_over,
+    )
+    switch.on_start(0)
+    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    trial.consumer.count = auto.TRIAL_STEPS
+    assert [switch(task) for task in range(4)] == [0, 2, 4, 6]  # the last task decides
+    switch._starter.join()  # the pool is up
+    assert switch.route == (THREAD if hands_over else PROCESS)
+    assert switch.pool_ready == hands_over
+    assert switch.take_pool() is (pool if hands_over else None)
+    assert switch.take_pool() is None  # once
+    switch.close()
+    assert pool.closed != hands_over  # a pool taken is the taker's to close
+
+
+def test_a_cut_ends_the_first_pipelines_batches_and_counts_them():
+    cut = Cut(iter(range(10)))
+    assert [next(cut) for _ in range(3)] == [0, 1, 2]
+    assert cut.cut() == 3
+    assert list(cut) == []
+    assert list(cut.rest) == list(range(3, 10))
 
 
 # -- end to end -------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from multiprocessing import connection, util
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ from .pipeline.stages import describe_item, where
 from .sampling import WorkerStreams
 from .stream_state import WithState, recorded_stream
 from .workers import set_process_worker_info, worker_info
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 WORKER_METHODS = ("auto", "thread", "process", "multiprocessing")
 PROCESS_WORKER_METHOD = "multiprocessing"
@@ -1022,7 +1025,7 @@ def _kept(payload: Any, keep: Callable[[Any], None] | None) -> Any:
     return payload.batch
 
 
-def process_pool(iterator: Any, loader: Any, plan: Any = None) -> PoolStarter:
+def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolStarter:
     """What starts the worker processes of a loader's iterator, made now from plain values (it
     holds neither the iterator nor the loader, so the threads that may call it keep neither
     alive).

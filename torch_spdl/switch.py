@@ -153,6 +153,8 @@ class Switch:
         """The worker processes a stage that ``hands_over`` started, once they are up (None
         before, and once the stage has closed); the caller owns them from then on."""
         with self._lock:
+            if not self.pool_ready:  # not up yet, closed, or routed to by the stage itself
+                return None
             pool, self._pool = self._pool, None
             self.pool_ready = False
         return pool
