@@ -91,7 +91,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # pipeline it moves to, and the batches of the pass the first one took (see _move_whole)
         self._following: tuple[Pipeline[Any], int] | None = None
         self._begin_pass(loader, resumed)
-        self._hooks = plan.hooks
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
@@ -149,7 +148,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
         """What fetches one batch in the calling thread, given it as a task (numbered by its
         position in the pass, as the pipeline's are)."""
-        hooks = self._hooks
+        hooks = self._plan.hooks
         if self._plan.shape == STREAMS:
             batches = iter(self._iterable_worker()(0))  # the batches a worker would make
             return lambda task: next(batches)
@@ -221,7 +220,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 on_start=start,
             )
             return self._pipeline_of(PipelineBuilder().add_source(streams), pool)
-        hooks = self._hooks
+        hooks = self._plan.hooks
         if hooks is None:
             builder = self._fetch_pipeline(*self._fetch_stage(loader, pool, start))
         else:
@@ -257,15 +256,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         and collated in the worker, the batch back through shared memory), in a pipeline of
         their own. The sampler is cut at the next batch boundary; the split pipeline finishes
         the batches it took, on its threads, and is read to its end first."""
+        if self._cut is None or self._moved is None:  # a pass that cannot move: the stage keeps it
+            return
         pool = switch.take_pool()
-        if pool is None or self._cut is None or self._moved is None:  # the stage closed first
+        if pool is None:  # the stage closed first
             return
         taken = self._cut.cut()
         self._sampler_iter = self._cut.rest
         self._plan = self.stats_probe.plan = dataclasses.replace(
             self._moved, decision=switch.decision
         )
-        self._hooks = None
         self._pool = pool
         self._make_source = fetch_tasks
         following = self._pipeline_of(self._fetch_pipeline(pool.fetch, pool.start), pool)
@@ -383,7 +383,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it)."""
         state = loader._auto
-        if self._budget.enabled and self._hooks is None:
+        if self._budget.enabled and self._plan.hooks is None:
             no_processes = "max_failures skips samples on threads only when there are no hooks"
         try:
             total: int | None = len(self._index_sampler) * tasks_per_batch
@@ -668,7 +668,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         assert self._pipeline is not None  # only a pipeline's pass is replanned
         self._pipeline.close()
         self._plan = self.stats_probe.plan = plan
-        self._hooks = plan.hooks
         return True
 
     def _begin_pass(

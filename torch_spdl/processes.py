@@ -1044,10 +1044,10 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
     elif (whole := plan.whole) is not None:
         io_threads = -(-loader.io_workers // iterator._num_workers)  # the load stage's, shared
         job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
-    elif iterator._hooks is None:
+    elif plan.hooks is None:
         job = FetchJob(loader.dataset, auto, collate, records=plan.copies)
     else:
-        job = PreprocessJob(iterator._hooks.preprocess, loader.dataset)
+        job = PreprocessJob(plan.hooks.preprocess, loader.dataset)
     return PoolStarter(
         job,
         iterator._num_workers,
