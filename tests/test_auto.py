@@ -264,7 +264,8 @@ def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_o
     """Handing over, the stage's own tasks stay on its threads and the pool is the caller's to
     take, once; else the stage routes its tasks to the pool and nobody may take it."""
     pool = _FakePool()
-    trial = Trial(1)
+    trial = Trial(1, tasks_per_batch=2)
+    tasks = range(auto.TRIAL_TASKS_PER_WORKER * 2)  # the trial is ready on the last of them
     switch = Switch(
         lambda task: task * 2,
         "fetch",
@@ -277,7 +278,9 @@ def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_o
     switch.on_start(0)
     trial._began = time.perf_counter() - 1  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
-    assert [switch(task) for task in range(4)] == [0, 2, 4, 6]  # the last task decides
+    assert [switch(task) for task in tasks[:-1]] == [2 * task for task in tasks[:-1]]
+    assert switch.decision is None  # so no task above can have met the pool
+    assert switch(tasks[-1]) == 2 * tasks[-1]  # decides, and starts the pool
     switch._starter.join()  # the pool is up
     assert switch.route == (THREAD if hands_over else PROCESS)
     assert switch.pool_ready == hands_over
