@@ -7,9 +7,10 @@ few calls that each release the GIL for nearly all of their time:
 
 1. the crop is drawn from the image's size, read from the JPEG header (no pixels decoded), with
    one ``torch.rand`` call for all of RandomResizedCrop's tries (:func:`random_crop_box`);
-2. the whole image is decoded by libjpeg-turbo (torchvision's native decoder);
+2. the whole image is decoded by libjpeg-turbo (torchvision's native decoder), or, for an RGB
+   JPEG where nvImageCodec is installed, only the crop (:mod:`torch_spdl.io.region`);
 3. the crop is copied out in channels-last layout, which torch's uint8 antialiased bilinear
-   kernel reads fastest, and resized by it (:func:`resized_crop`);
+   kernel reads fastest (a decoded region already is), and resized by it (:func:`resized_crop`);
 4. the flip is one native ``flip``.
 
 The result has the classic transform's shape and dtype (uint8 ``C×size×size``) and its crop
@@ -43,6 +44,7 @@ from .image import (
     byte_tensor,
 )
 from .jpeg import check_jpeg, jpeg_dimensions
+from .region import region_decoder
 
 TRIES = 10  # RandomResizedCrop's tries before it falls back to a centre crop
 
@@ -100,8 +102,12 @@ def resized_crop(
     """
     top, left, height, width = box
     crop = image[None, :, top : top + height, left : left + width]
-    crop = crop.contiguous(memory_format=torch.channels_last)
-    if (height, width) == tuple(size):
+    return _resized(crop.contiguous(memory_format=torch.channels_last), size, antialias)
+
+
+def _resized(crop: torch.Tensor, size: tuple[int, int], antialias: bool) -> torch.Tensor:
+    """A channels-last ``1×C×H×W`` crop resized to ``size``, channels-last ``C×H×W``."""
+    if tuple(crop.shape[-2:]) == tuple(size):
         return crop[0]
     out = F.interpolate(crop, size=size, mode="bilinear", antialias=antialias)
     return out.contiguous(memory_format=torch.channels_last)[0]  # as is, unless N=1 misled it
@@ -126,6 +132,9 @@ class RandomResizedCrop:
     transfer stage (``device="cuda"``), batched on the GPU: it returns an
     :class:`~torch_spdl.io.EncodedImage`, which ``collate_images`` batches
     (:mod:`torch_spdl.io.device_decode`). ``decode_on="cpu"`` takes that path on the CPU.
+    On the CPU, an RGB JPEG's crop is decoded alone where nvImageCodec is installed
+    (:mod:`torch_spdl.io.region`: the same pixels, less work); ``region=False`` decodes the whole
+    image, as torchvision does, which also refuses the few damaged files that path reads.
     Random draws come from torch's generator, so a loader's per-worker seeding applies.
     """
 
@@ -139,6 +148,7 @@ class RandomResizedCrop:
         mode: Mode = "RGB",
         antialias: bool = True,
         decode_on: torch.device | str | None = None,
+        region: bool = True,
     ) -> None:
         self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
         if min(self.size) <= 0:
@@ -149,6 +159,9 @@ class RandomResizedCrop:
         self.mode, self.antialias = mode, antialias
         _check(self.scale, self.ratio)
         self.decode_on = None if decode_on is None else torch.device(decode_on)
+        self.region = region
+        if region:
+            region_decoder()  # loaded here, in the thread that builds the dataset, not a worker
         self._warned = False
 
     def __call__(self, data: ImageData) -> torch.Tensor | EncodedImage:
@@ -165,16 +178,39 @@ class RandomResizedCrop:
             flip = bool(self.flip) and torch.rand(()).item() < self.flip
             assert self.decode_on is not None  # _deferred() says so
             return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on)
+        out = self._region(encoded, size, box) if image is None else None
+        if out is None:
+            out = self._whole(encoded, image, size, box)
+        if self.flip and torch.rand(()).item() < self.flip:
+            out = out.flip(-1)
+        return out
+
+    def _region(
+        self, encoded: torch.Tensor, size: tuple[int, int], box: Box
+    ) -> torch.Tensor | None:
+        """The crop decoded alone (:mod:`torch_spdl.io.region`) and resized; None where that
+        does not apply: no region decoder, not an RGB JPEG, or a file it refuses."""
+        decode = region_decoder() if self.region else None
+        if decode is None or self.mode != "RGB" or not _starts_with(encoded, _JPEG_MAGIC):
+            return None
+        region = decode(encoded, size, box)
+        if region is None:
+            return None
+        # H×W×C is 1×C×H×W channels-last; batch dimension first, so that its stride says so too
+        # (unsqueezed after the permute, torch's resize takes its slow path, twice the time)
+        return _resized(region[None].permute(0, 3, 1, 2), self.size, self.antialias)
+
+    def _whole(
+        self, encoded: torch.Tensor, image: torch.Tensor | None, size: tuple[int, int], box: Box
+    ) -> torch.Tensor:
+        """The whole image decoded (unless it already is), then cropped and resized."""
         if image is None:
             image = _decode(encoded, self.mode)
         if tuple(image.shape[-2:]) != size:
             raise ValueError(
                 f"the image decodes to {tuple(image.shape[-2:])} pixels, but its header says {size}"
             )
-        out = resized_crop(image, box, self.size, antialias=self.antialias)
-        if self.flip and torch.rand(()).item() < self.flip:
-            out = out.flip(-1)
-        return out
+        return resized_crop(image, box, self.size, antialias=self.antialias)
 
     def _deferred(self) -> bool:
         """Whether to leave the decode to the loader's transfer stage on ``decode_on``; where
@@ -197,5 +233,6 @@ class RandomResizedCrop:
     def __repr__(self) -> str:
         return (
             f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-            f"flip={self.flip}, mode={self.mode!r}, decode_on={self.decode_on})"
+            f"flip={self.flip}, mode={self.mode!r}, decode_on={self.decode_on}, "
+            f"region={self.region})"
         )
