@@ -34,6 +34,7 @@ from torch_spdl.bench import (
     training,
 )
 from torch_spdl.bench.measure import Result, Sample, Variant, measure, run_rounds
+from torch_spdl.io.region import region_decoder
 
 MIB = 2**20
 
@@ -418,7 +419,8 @@ def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
         assert image.format == "PNG"
     raw = json.loads((out / "bench.json").read_text())
     loaders = {r["loader"] for r in raw["results"]}
-    assert loaders == {images.PLAIN, images.TORCH, images.SWAPPED, images.HOOKS}
+    region = {series.HOOKS_WHOLE} if region_decoder() is not None else set()
+    assert loaders == {images.PLAIN, images.TORCH, images.SWAPPED, images.HOOKS, *region}
     assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])
 
 

@@ -12,7 +12,9 @@ Three loaders read the same files:
   ``load`` reads the bytes and whose ``preprocess`` is :class:`torch_spdl.io.RandomResizedCrop`
   (the crop drawn from the JPEG header, libjpeg-turbo's decode, torch's uint8 resize and flip:
   native calls that release the GIL); batches are collated by
-  :func:`torch_spdl.io.collate_images` into one preallocated channels-last tensor.
+  :func:`torch_spdl.io.collate_images` into one preallocated channels-last tensor. Where
+  nvImageCodec is installed, its ``preprocess`` decodes only the crop (:mod:`torch_spdl.io.region`),
+  and ``torch_spdl hooks+fast path, whole decode`` runs the same with the whole image decoded.
 
 All three yield ``(images, labels)`` with images of shape ``(64, 3, 224, 224)`` and dtype uint8,
 which every measurement asserts on its first batch. The "2-core limit" is twice the rate of the
@@ -33,9 +35,10 @@ from torchvision import datasets, transforms
 import torch_spdl
 from torch_spdl.io import EncodedImage, RandomResizedCrop, collate_images
 from torch_spdl.io.device_decode import gpu_decode_unavailable
+from torch_spdl.io.region import region_decoder
 
 from .measure import TORCH, Variant
-from .series import GPU_DECODE, HOOKS, PLAIN, SWAPPED, ImageOptions
+from .series import GPU_DECODE, HOOKS, HOOKS_WHOLE, PLAIN, SWAPPED, ImageOptions
 
 SIZE = 224
 BATCH = 64
@@ -160,6 +163,19 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
         )
         for w in ws
     ]
+    if region_decoder() is not None:
+        whole = FastImages(folder.samples, RandomResizedCrop(SIZE, region=False))
+        variants += [
+            loader(
+                HOOKS_WHOLE,
+                w,
+                lambda w=w: torch_spdl.DataLoader(
+                    whole, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
+                ),
+                note="the whole JPEG decoded, not only the crop",
+            )
+            for w in ws
+        ]
     if gpu_decode_unavailable(torch.device("cuda")) is None:
         on_gpu = FastImages(folder.samples, RandomResizedCrop(SIZE, decode_on="cuda"))
         variants += [

@@ -14,6 +14,8 @@ from pathlib import Path
 
 SWAPPED = "torch_spdl"
 HOOKS = "torch_spdl hooks+fast path"
+# the fast path with the whole JPEG decoded, where the region decode is installed (io.region)
+HOOKS_WHOLE = "torch_spdl hooks+fast path, whole decode"
 GPU_DECODE = "torch_spdl hooks+GPU decode"  # workload A where a GPU decoder is present
 PLAIN = "plain loop, 1 thread"
 # workload D's series besides torch's and the swapped import's (SWAPPED)
