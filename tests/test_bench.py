@@ -375,6 +375,7 @@ def test_training_variants_yield_checked_batches_and_measure_the_consumer(tmp_pa
             series.TORCH_TENSOR,
             series.SPDL_TENSOR,
             series.HOOKS,
+            *([series.HOOKS_WHOLE] if region_decoder() is not None else []),
         }
         for variant in variants:
             if variant.loader in ("torch", series.SPDL_PROCESS):

@@ -36,14 +36,16 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 import torch_spdl
-from torch_spdl.io import decode_image
+from torch_spdl.io import RandomResizedCrop, decode_image
 from torch_spdl.io.image import byte_tensor
+from torch_spdl.io.region import region_decoder
 
 from .images import BATCH, IO_WORKERS, SIZE, FastImages, check_batch, classic_transform, collate
 from .measure import TORCH, Variant
 from .series import (
     ALONE,
     HOOKS,
+    HOOKS_WHOLE,
     SPDL_PROCESS,
     SPDL_TENSOR,
     SWAPPED,
@@ -152,14 +154,21 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             variant(SPDL_PROCESS, w, lambda ours=ours: ours(worker_method="process"), "PIL path"),
         ]
     fast = FastImages(pil.samples)
+    staged = lambda w, d: torch_spdl.DataLoader(
+        d, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
+    )
+    if region_decoder() is not None:  # the fast path decodes only the crop: and whole, to compare
+        whole = FastImages(pil.samples, RandomResizedCrop(SIZE, region=False))
+        variants += [
+            variant(HOOKS_WHOLE, w, lambda w=w: staged(w, whole), "the whole JPEG decoded")
+            for w in options.workers
+        ]
     for w in options.workers:
         variants += [
             variant(
                 HOOKS,
                 w,
-                lambda w=w: torch_spdl.DataLoader(
-                    fast, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
-                ),
+                lambda w=w: staged(w, fast),
                 f"A's fast path (torch_spdl.io.RandomResizedCrop), io_workers={IO_WORKERS}",
             ),
             variant(
