@@ -28,10 +28,11 @@ from typing import Any
 from PIL import Image
 from torchvision import datasets
 
-from torch_spdl.io import decode_image
+from torch_spdl.io import RandomResizedCrop, decode_image
+from torch_spdl.io.region import region_decoder
 
 from ..auto import Tally, ThreadClock
-from .images import classic_transform, fast_transform
+from .images import RATIO, SCALE, SIZE, classic_transform, fast_transform
 from .measure import Variant, intra_op_threads, measure
 from .memory import cpu_seconds, tree
 
@@ -53,6 +54,9 @@ def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
         "torchvision decode (decode_image)": lambda i: decode_image(raw[i]),
         "fast path (decode + crop + flip)": lambda i: fast_transform(raw[i]),
     }
+    if region_decoder() is not None:  # the fast path above decodes only the crop
+        whole = RandomResizedCrop(SIZE, scale=SCALE, ratio=RATIO, region=False)
+        steps["fast path, whole image decoded"] = lambda i: whole(raw[i])
     costs = {}
     with intra_op_threads(1):  # one thread means one: no OpenMP helpers for torch's kernels
         for name, step in steps.items():
