@@ -213,6 +213,28 @@ def test_loader_cpu_charges_the_work_to_the_worker_threads():
     assert spent.get("main thread", 0) < 2.0, spent
 
 
+def test_loader_cpu_leaves_out_what_a_process_already_there_had_spent():
+    """A fork server an earlier loader started is a child of the bench: only its CPU during
+    this loader's batches may count."""
+    code = (
+        "import sys, time; end = time.process_time() + 0.5\n"
+        "while time.process_time() < end: pass\n"
+        "print('spent', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "spent"
+        make = lambda: torch_spdl.DataLoader(BusySamples(32, 1.0), batch_size=8, num_workers=2)
+        spent = profile.loader_cpu(make, batches=4, size=8)
+    finally:
+        child.stdin.close()
+        child.wait(10)
+        child.stdout.close()
+    assert spent.get("worker processes", 0) < 2.0, spent  # its 0.5 s would be 15 ms a sample
+
+
 # -- results, targets, table, plot ---------------------------------------------------------------
 def fake(
     workload: str,

@@ -177,6 +177,8 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
     before = {
         int(t): cpu_seconds(f"/proc/{me}/task/{t}/stat") for t in os.listdir(f"/proc/{me}/task")
     }
+    # processes already there (a fork server an earlier loader started) count from here on only
+    children_before = {pid: cpu_seconds(f"/proc/{pid}/stat") for pid in tree(me) if pid != me}
     loader = make()
     iterator = iter(loader)
     for done, _ in enumerate(iterator, start=1):
@@ -190,7 +192,8 @@ def loader_cpu(make: Callable[[], Iterable[Any]], batches: int, size: int) -> di
         spent[_group(by_tid.get(tid))] += used
     for pid in tree(me):
         if pid != me:
-            spent["worker processes"] += cpu_seconds(f"/proc/{pid}/stat")
+            used = cpu_seconds(f"/proc/{pid}/stat") - children_before.get(pid, 0)
+            spent["worker processes"] += used
     del iterator, loader
     samples = batches * size
     ranked = sorted(spent.items(), key=lambda item: item[1], reverse=True)  # as most_common()
