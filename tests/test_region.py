@@ -4,6 +4,7 @@ against the whole image decoded by torchvision and cropped: the same pixels, the
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import random
 import subprocess
 import sys
@@ -204,6 +205,24 @@ def test_loading_the_decoder_prints_nothing():
     code = "from torch_spdl.io import region; assert region.region_decoder() is not None"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert run.returncode == 0 and run.stderr == b"" and run.stdout == b"", run.stderr
+
+
+@needs_it
+def test_an_unpickled_transform_has_loaded_the_decoder():
+    """In a worker process, before its threads start, not in the first of them to decode."""
+    code = (
+        "import pickle, sys; from torch_spdl.io import crop, region; "
+        "transform = pickle.loads(sys.stdin.buffer.read()); "
+        "assert 'nvidia.nvimgcodec' in sys.modules and transform.region; "
+        "assert region.region_decoder.cache_info().currsize == 1"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(RandomResizedCrop(32)),
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
 
 
 def test_without_nvimgcodec_the_whole_image_is_decoded(monkeypatch):

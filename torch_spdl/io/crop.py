@@ -160,9 +160,18 @@ class RandomResizedCrop:
         _check(self.scale, self.ratio)
         self.decode_on = None if decode_on is None else torch.device(decode_on)
         self.region = region
-        if region:
-            region_decoder()  # loaded here, in the thread that builds the dataset, not a worker
         self._warned = False
+        self._load_region_decoder()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._load_region_decoder()  # in a worker process, as it starts
+
+    def _load_region_decoder(self) -> None:
+        """Import the region decoder where the transform is made or unpickled, before the
+        loader's threads start: the import holds the process's stderr back for its duration."""
+        if self.region:
+            region_decoder()
 
     def __call__(self, data: ImageData) -> torch.Tensor | EncodedImage:
         encoded = byte_tensor(data)
