@@ -128,10 +128,18 @@ def test_files_libjpeg_refuses_fail_as_the_whole_decode_fails():
             corner(truncated)
 
 
+def within_a_few_levels(alone: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Equal but for how a libjpeg-turbo release fills a damaged scan: torchvision 0.23's and
+    nvImageCodec's differ by up to 5 grey levels on 3 of the damaged progressive files below
+    (torchvision 0.29's match exactly). A wrong box or flip moves pixels by far more."""
+    return alone.shape == whole.shape and (alone.int() - whole.int()).abs().max().item() <= 8
+
+
 @needs_it
 def test_damaged_files_decode_or_fail_as_the_whole_decode_does():
     """Bytes changed or cut out at random, 300 times: where the whole decode decodes, the crop
-    decoded alone is the same crop; few of the files it refuses decode alone (``READ_GREY``)."""
+    decoded alone is the same crop (``within_a_few_levels``); few of the files it refuses
+    decode alone (``READ_GREY``)."""
     kinds = [jpeg(60, 80), encode(Image.fromarray(photo(60, 80)), "JPEG", progressive=True)]
     rng = random.Random(2)
     differ, lenient = [], 0
@@ -152,7 +160,7 @@ def test_damaged_files_decode_or_fail_as_the_whole_decode_does():
         alone, whole = outcomes
         if whole is None:
             lenient += alone is not None
-        elif alone is None or not all(map(torch.equal, alone, whole)):
+        elif alone is None or not all(map(within_a_few_levels, alone, whole)):
             differ.append(trial)
     assert differ == []
     assert lenient <= 3, lenient
