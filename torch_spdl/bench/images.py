@@ -44,6 +44,8 @@ SIZE = 224
 BATCH = 64
 SCALE = (0.08, 1.0)  # RandomResizedCrop's defaults, which the fast path must draw from too
 RATIO = (3 / 4, 4 / 3)
+# what every loader of workloads A and D is given, torch's and torch_spdl's alike
+COMMON: dict[str, Any] = dict(batch_size=BATCH, shuffle=True, drop_last=True)
 IO_WORKERS = 4  # reading a cached file takes tens of microseconds: a few threads keep up
 
 
@@ -101,6 +103,19 @@ def collate(samples: list[tuple[Any, int]]) -> tuple[Any, torch.Tensor]:
 
 
 # -- the variants --------------------------------------------------------------------------------
+def staged_loader(dataset: FastImages, workers: int, **extra: Any) -> torch_spdl.DataLoader:
+    """A :class:`FastImages` loader as workloads A and D read it: ``workers`` preprocess
+    threads, ``IO_WORKERS`` load threads, batches collated by :func:`collate`."""
+    return torch_spdl.DataLoader(
+        dataset,
+        num_workers=workers,
+        io_workers=IO_WORKERS,
+        collate_fn=collate,
+        **COMMON,
+        **extra,
+    )
+
+
 def check_batch(batch: Any) -> None:
     """Every loader must yield the same kind of batch: uint8 images ``(64, 3, 224, 224)``."""
     images, labels = batch
@@ -127,7 +142,6 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
             f"{options.root} holds {len(folder)} images; {options.batches} batches of {BATCH} "
             f"need {needed} (use fewer --batches or more images)"
         )
-    common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True, drop_last=True)
 
     def loader(name: str, workers: int, make: Any, **extra: Any) -> Variant:
         count = lambda batch: len(batch[1])  # batches are (images, labels)
@@ -145,22 +159,15 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
     ws = options.workers
     variants = [plain]
     variants += [
-        loader(TORCH, w, lambda w=w: torch.utils.data.DataLoader(folder, num_workers=w, **common))
+        loader(TORCH, w, lambda w=w: torch.utils.data.DataLoader(folder, num_workers=w, **COMMON))
         for w in ws
     ]
     variants += [
-        loader(SWAPPED, w, lambda w=w: torch_spdl.DataLoader(folder, num_workers=w, **common))
+        loader(SWAPPED, w, lambda w=w: torch_spdl.DataLoader(folder, num_workers=w, **COMMON))
         for w in ws
     ]
     variants += [
-        loader(
-            HOOKS,
-            w,
-            lambda w=w: torch_spdl.DataLoader(
-                fast, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
-            ),
-            note=f"io_workers={IO_WORKERS}",
-        )
+        loader(HOOKS, w, lambda w=w: staged_loader(fast, w), note=f"io_workers={IO_WORKERS}")
         for w in ws
     ]
     if region_decoder() is not None:
@@ -169,9 +176,7 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
             loader(
                 HOOKS_WHOLE,
                 w,
-                lambda w=w: torch_spdl.DataLoader(
-                    whole, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
-                ),
+                lambda w=w: staged_loader(whole, w),
                 note="the whole JPEG decoded, not only the crop",
             )
             for w in ws
@@ -182,14 +187,7 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
             loader(
                 GPU_DECODE,
                 w,
-                lambda w=w: torch_spdl.DataLoader(
-                    on_gpu,
-                    num_workers=w,
-                    io_workers=IO_WORKERS,
-                    collate_fn=collate,
-                    device="cuda",
-                    **common,
-                ),
+                lambda w=w: staged_loader(on_gpu, w, device="cuda"),
                 note="decoded, cropped and flipped on the GPU in the transfer stage",
             )
             for w in ws

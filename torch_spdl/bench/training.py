@@ -40,7 +40,16 @@ from torch_spdl.io import RandomResizedCrop, decode_image
 from torch_spdl.io.image import byte_tensor
 from torch_spdl.io.region import region_decoder
 
-from .images import BATCH, IO_WORKERS, SIZE, FastImages, check_batch, classic_transform, collate
+from .images import (
+    BATCH,
+    COMMON,
+    IO_WORKERS,
+    SIZE,
+    FastImages,
+    check_batch,
+    classic_transform,
+    staged_loader,
+)
 from .measure import TORCH, Variant
 from .series import (
     ALONE,
@@ -119,7 +128,6 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             f"need {needed} (use fewer --batches or more images)"
         )
     step = calibrate(options.step_ms)
-    common: dict[str, Any] = dict(batch_size=BATCH, shuffle=True, drop_last=True)
     count = lambda batch: len(batch[1])  # batches are (images, labels)
 
     def variant(name: str, workers: int, make: Any, note: str = "", warmup: bool = True) -> Variant:
@@ -146,21 +154,18 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
         )
     ]
     for w in options.workers:
-        torchs = lambda w=w, d=pil: torch.utils.data.DataLoader(d, num_workers=w, **common)
-        ours = lambda w=w, d=pil, **kw: torch_spdl.DataLoader(d, num_workers=w, **common, **kw)
+        torchs = lambda w=w, d=pil: torch.utils.data.DataLoader(d, num_workers=w, **COMMON)
+        ours = lambda w=w, d=pil, **kw: torch_spdl.DataLoader(d, num_workers=w, **COMMON, **kw)
         variants += [
             variant(TORCH, w, torchs, "PIL path"),
             variant(SWAPPED, w, ours, "PIL path, default worker_method"),
             variant(SPDL_PROCESS, w, lambda ours=ours: ours(worker_method="process"), "PIL path"),
         ]
     fast = FastImages(pil.samples)
-    staged = lambda w, d: torch_spdl.DataLoader(
-        d, num_workers=w, io_workers=IO_WORKERS, collate_fn=collate, **common
-    )
     if region_decoder() is not None:  # the fast path decodes only the crop: and whole, to compare
         whole = FastImages(pil.samples, RandomResizedCrop(SIZE, region=False))
         variants += [
-            variant(HOOKS_WHOLE, w, lambda w=w: staged(w, whole), "the whole JPEG decoded")
+            variant(HOOKS_WHOLE, w, lambda w=w: staged_loader(whole, w), "the whole JPEG decoded")
             for w in options.workers
         ]
     for w in options.workers:
@@ -168,16 +173,16 @@ def prepare(options: TrainingOptions) -> Iterator[list[Variant]]:
             variant(
                 HOOKS,
                 w,
-                lambda w=w: staged(w, fast),
+                lambda w=w: staged_loader(fast, w),
                 f"A's fast path (torch_spdl.io.RandomResizedCrop), io_workers={IO_WORKERS}",
             ),
             variant(
                 TORCH_TENSOR,
                 w,
-                lambda w=w: torch.utils.data.DataLoader(tensors, num_workers=w, **common),
+                lambda w=w: torch.utils.data.DataLoader(tensors, num_workers=w, **COMMON),
             ),
             variant(
-                SPDL_TENSOR, w, lambda w=w: torch_spdl.DataLoader(tensors, num_workers=w, **common)
+                SPDL_TENSOR, w, lambda w=w: torch_spdl.DataLoader(tensors, num_workers=w, **COMMON)
             ),
         ]
     yield variants
