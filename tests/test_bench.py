@@ -5,6 +5,7 @@ Nothing here checks a speed: timings belong to the benchmark's own runs, not to 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -111,13 +113,10 @@ def test_gil_held_tells_python_from_native_work():
 
 
 # -- memory: PSS of the process tree -------------------------------------------------------------
-@pytest.fixture
-def child_with_64_mib():
-    """A child process holding 64 MiB of touched, private memory until its stdin closes."""
-    code = (
-        "import sys; block = bytes(range(256)) * (1 << 18); "
-        "print('ready', flush=True); sys.stdin.read()"
-    )
+@contextlib.contextmanager
+def waiting_child(code: str) -> Iterator[subprocess.Popen]:
+    """A child process that runs ``code``, says ``ready``, then waits until its stdin closes."""
+    code += "\nprint('ready', flush=True); import sys; sys.stdin.read()"
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -128,6 +127,13 @@ def child_with_64_mib():
         child.stdin.close()
         child.wait(10)
         child.stdout.close()
+
+
+@pytest.fixture
+def child_with_64_mib():
+    """A child process holding 64 MiB of touched, private memory until its stdin closes."""
+    with waiting_child("block = bytes(range(256)) * (1 << 18)") as child:
+        yield child
 
 
 @pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
@@ -216,22 +222,10 @@ def test_loader_cpu_charges_the_work_to_the_worker_threads():
 def test_loader_cpu_leaves_out_what_a_process_already_there_had_spent():
     """A fork server an earlier loader started is a child of the bench: only its CPU during
     this loader's batches may count."""
-    code = (
-        "import sys, time; end = time.process_time() + 0.5\n"
-        "while time.process_time() < end: pass\n"
-        "print('spent', flush=True); sys.stdin.read()"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout.readline().strip() == "spent"
+    busy = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    with waiting_child(busy):
         make = lambda: torch_spdl.DataLoader(BusySamples(32, 1.0), batch_size=8, num_workers=2)
         spent = profile.loader_cpu(make, batches=4, size=8)
-    finally:
-        child.stdin.close()
-        child.wait(10)
-        child.stdout.close()
     assert spent.get("worker processes", 0) < 2.0, spent  # its 0.5 s would be 15 ms a sample
 
 
