@@ -204,7 +204,7 @@ def _decode_in_child(queue) -> None:
 
 @needs_it
 def test_a_forked_child_decodes_with_a_decoder_of_its_own():
-    """The parent's decoder (whose worker thread did not survive the fork) is not reused."""
+    """A child forked after the parent decoded makes a decoder of its own, and decodes right."""
     assert DECODE(tensor_of(jpeg(60, 80)), (60, 80), (0, 0, 8, 8)) is not None
     context = multiprocessing.get_context("fork")
     queue = context.Queue()

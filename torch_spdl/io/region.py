@@ -95,8 +95,8 @@ def _stderr_silenced() -> Iterator[None]:
 
 class _Decoder:
     """One nvImageCodec CPU decoder per thread (a decoder is not documented as safe to share
-    between threads) and per process (a forked child cannot use its parent's, whose worker
-    threads did not survive the fork)."""
+    between threads) and per process (nor as safe to use in a forked child: a child makes its
+    own rather than rely on the parent's state)."""
 
     def __init__(self, module: Any) -> None:
         self._nv = module
@@ -109,10 +109,11 @@ class _Decoder:
     def __call__(
         self, encoded: torch.Tensor, size: tuple[int, int], box: Box
     ) -> torch.Tensor | None:
-        if encoded[-2:].numpy().tobytes() != _EOI:  # truncated, or data after its end
+        data = encoded.numpy()
+        if data[-2:].tobytes() != _EOI:  # truncated, or data after its end
             return None
         try:
-            whole = self._nv.CodeStream(encoded.numpy())
+            whole = self._nv.CodeStream(data)
             if (whole.height, whole.width) != size:  # a box outside it would come back filled
                 return None
             top, left, height, width = box
