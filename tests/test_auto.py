@@ -255,6 +255,9 @@ def test_processes_that_cannot_start_leave_the_stage_on_threads(no_leak):
 class _FakePool:
     closed = False
 
+    def wait_ready(self) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 
@@ -548,6 +551,28 @@ def test_no_main_file_is_safe(monkeypatch):
 
     monkeypatch.setitem(__import__("sys").modules, "__main__", types.ModuleType("__main__"))
     assert unguarded_main() is None  # a notebook, python -c: workers import nothing
+
+
+def exit_in_a_worker_process(parent: int, worker_id: int) -> None:
+    if os.getpid() != parent:
+        os._exit(3)
+
+
+def test_processes_that_die_as_they_start_cost_no_sample(quick_switch, no_child_left, decides):
+    """A worker process that dies before it is set up leaves ``"auto"`` on its threads: every
+    batch is read there, as torch reads it, and the decision says why."""
+    import functools
+
+    decides(PROCESS)
+    dataset = PythonSamples(600, 1000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
+    init = functools.partial(exit_in_a_worker_process, os.getpid())
+    loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2, worker_init_fn=init)
+    got, pids = indices_of(loader)
+    assert got == expected and pids == {os.getpid()}
+    executor = loader.stats().executor
+    assert "could not start (RuntimeError: DataLoader worker process" in executor, executor
+    assert "exit code 3" in executor, executor
 
 
 def staged_pair(n: int, persistent: bool) -> tuple[Any, Any]:

@@ -480,6 +480,7 @@ class _Worker:
     stacks: connection.Connection | None  # where it writes its stack when asked
     lock: threading.RLock = field(default_factory=threading.RLock)
     dead: bool = False
+    ready: bool = False  # it has said it is set up (:meth:`ProcessPool.wait_ready`)
 
     def close(self) -> None:
         """Close our ends of its pipes (it then exits, if it has not)."""
@@ -844,8 +845,22 @@ class ProcessPool:
         worker = self._processes.workers[worker_id]
         self._local.worker = worker
         self._threads[threading.get_ident()] = worker_id
+        self._await_ready(worker)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker process is set up, as :meth:`start` does for one. ``"auto"``
+        waits here, in a thread of its own, before its stage threads use the processes: a pool
+        whose workers die at start (a class they cannot unpickle, say) then costs no sample."""
+        for worker in self._processes.workers:
+            self._await_ready(worker)
+
+    def _await_ready(self, worker: _Worker) -> None:
+        """Receive ``worker``'s word that it is set up, once; raise what it sent if it failed."""
         with worker.lock:
+            if worker.ready:
+                return
             status, payload = self._receive(worker)
+            worker.ready = status != ERROR
         if status == ERROR:
             payload.reraise()
 
@@ -897,10 +912,7 @@ class ProcessPool:
                 self._check_open()
             worker.close()  # out of the pool now: reap it
             _terminate(worker.process)
-            with new.lock:
-                status, payload = self._receive(new)
-            if status == ERROR:
-                payload.reraise()
+            self._await_ready(new)
         except BaseException as error:
             self._processes.broken = error
             raise

@@ -9,9 +9,10 @@ delivered (what ``num_workers=0`` does). Every task is run exactly once, by whic
 holds the route when a thread takes it, and the engine keeps the order: nothing is lost,
 repeated or reordered by a switch.
 
-Worker processes start in a thread of their own while the stage threads keep working, so the
-switch costs no pause; a thread binds to its process (``ProcessPool.start``) on its first task
-after the switch. The pool stops with the pipeline (:meth:`close`, from ``Pipeline.on_stop``).
+Worker processes start in a thread of their own while the stage threads keep working, and the
+route changes only once every process is set up, so the switch costs no pause, and processes that
+cannot come up cost no sample; a thread binds to its process (``ProcessPool.start``) on its first
+task after the switch. The pool stops with the pipeline (:meth:`close`, from ``Pipeline.on_stop``).
 
 A stage that ``hands_over`` moves further than its own tasks: a staged dataset whose samples,
 once in processes, are best read whole there (``Plan.whole``: each worker loads, preprocesses and
@@ -121,11 +122,16 @@ class Switch:
                 self.route = decision.executor
 
     def _start_pool(self) -> None:
-        """Start the worker processes; the stage threads switch to them once they are up. A
-        pool that cannot start leaves the stage on its threads, and says why in the decision."""
+        """Start the worker processes; the stage threads switch to them once every one is set
+        up. A pool that cannot start, or whose workers fail to come up, leaves the stage on its
+        threads, and says why in the decision."""
+        pool: ProcessPool | None = None
         try:
             pool = self._make_pool()
-        except Exception as error:  # an unpicklable dataset, no fork server, ...
+            pool.wait_ready()
+        except Exception as error:  # an unpicklable dataset, no fork server, a worker died, ...
+            if pool is not None:
+                pool.close()
             self._start_error = error
             self.decision = Decision(
                 THREAD, f"worker processes could not start ({type(error).__name__}: {error})"
