@@ -518,7 +518,8 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
 ):
     import types
 
-    from torch_spdl.processes import FetchJob, PoolStarter, unguarded_main
+    from torch_spdl.main_script import unguarded_main
+    from torch_spdl.processes import FetchJob, PoolStarter
 
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -547,10 +548,134 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
 def test_no_main_file_is_safe(monkeypatch):
     import types
 
-    from torch_spdl.processes import unguarded_main
+    from torch_spdl.main_script import unguarded_main
 
     monkeypatch.setitem(__import__("sys").modules, "__main__", types.ModuleType("__main__"))
     assert unguarded_main() is None  # a notebook, python -c: workers import nothing
+
+
+# -- a main module that workers cannot import ---------------------------------------------------
+class NotebookSamples(Indices):
+    """Stands for a dataset class a notebook defines (moved into ``__main__`` by the tests)."""
+
+
+def notebook_transform(value: int) -> int:
+    return value
+
+
+def notebook_main(monkeypatch, **attributes: Any) -> Any:
+    """A ``__main__`` like a notebook's or ``python -c``'s (no file), holding
+    :class:`NotebookSamples` and :func:`notebook_transform` as its own."""
+    import sys
+    import types
+
+    main = types.ModuleType("__main__")
+    vars(main).update(attributes)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    for value in (NotebookSamples, notebook_transform):
+        monkeypatch.setattr(value, "__module__", "__main__")
+        setattr(main, value.__qualname__, value)
+    return main
+
+
+@pytest.mark.parametrize("held", ["class", "function", "nothing"])
+def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(monkeypatch, held):
+    import functools
+
+    from torch_spdl.processes import FetchJob, PoolStarter
+
+    notebook_main(monkeypatch)
+    dataset = {"class": NotebookSamples(4), "function": Indices(4), "nothing": Indices(4)}[held]
+    collate = functools.partial(notebook_transform) if held == "function" else None
+    # a tensor in the job: its data is skipped, not copied, and names nothing
+    dataset.weights = torch.zeros(4)
+    starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, None, None, None)
+    reason = starter.unsafe()
+    if held == "nothing":
+        assert reason is None
+        return
+    name = {"class": "NotebookSamples", "function": "notebook_transform"}[held]
+    assert reason == (
+        f"worker processes cannot unpickle {name}: defined in __main__, which has no file they "
+        "could import (a notebook or python -c)"
+    )
+    with pytest.raises(RuntimeError, match=f"worker_method='process' cannot start .*{name}"):
+        starter()
+
+
+def test_auto_starts_no_worker_for_a_script_read_from_stdin(monkeypatch, tmp_path):
+    from torch_spdl.processes import FetchJob, PoolStarter
+
+    main = notebook_main(monkeypatch)
+    main.__file__ = "<stdin>"
+    starter = PoolStarter(FetchJob(Indices(4), True, None), 2, 0, None, None, None)
+    assert starter.unsafe() == (
+        "the main script was read from <stdin>, which worker processes cannot import"
+    )
+    script = tmp_path / "train.py"
+    script.write_text("if __name__ == '__main__':\n    main()\n")
+    main.__file__ = str(script)  # a script with a file: its workers import it
+    assert starter.unsafe() is None
+
+
+def test_forked_workers_need_no_main_module(monkeypatch):
+    import multiprocessing
+
+    from torch_spdl.processes import FetchJob, PoolStarter
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    notebook_main(monkeypatch)
+    context = multiprocessing.get_context("fork")
+    job = FetchJob(NotebookSamples(4), True, None)
+    assert PoolStarter(job, 2, 0, None, context, None).unsafe() is None
+
+
+NOTEBOOK = """
+import sys, torch, torch_spdl
+from torch_spdl import auto, iterator
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, index):
+        return index
+
+expected = [b.tolist() for b in torch.utils.data.DataLoader(Samples(), batch_size=8)]
+try:
+    list(torch_spdl.DataLoader(Samples(), batch_size=8, num_workers=2, worker_method="process"))
+except RuntimeError as error:
+    print("process:", error)
+# "auto" told to choose processes where it may, whatever it measures
+def told(measured, no_processes=None, **_):
+    if no_processes is not None:
+        return auto.Decision(auto.THREAD, f"told, but {no_processes}", measured)
+    return auto.Decision(auto.PROCESS, "told", measured)
+
+iterator.decide = told
+auto.TRIAL_S = 0.0
+loader = torch_spdl.DataLoader(Samples(), batch_size=8, num_workers=2)
+assert [b.tolist() for b in loader] == expected
+print("auto:", loader.stats().executor)
+"""
+
+
+def test_a_notebooks_dataset_runs_on_threads_with_torchs_batches(no_child_left):
+    """``python -c`` has no main file, like a notebook: the dataset class it defines cannot
+    reach a worker process, so ``"process"`` says so at once and ``"auto"`` keeps threads."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("process: worker_method='process' cannot start"), lines
+    assert "cannot unpickle Samples: defined in __main__" in lines[0]
+    assert lines[1].startswith("auto: worker_method='auto' chose thread: told, but worker "), lines
+    assert "cannot unpickle Samples" in lines[1]
+    assert "Traceback" not in run.stderr  # no worker started, so none failed
 
 
 def exit_in_a_worker_process(parent: int, worker_id: int) -> None:

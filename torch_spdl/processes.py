@@ -33,7 +33,6 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import faulthandler
 import functools
@@ -75,6 +74,7 @@ from .compat import (
 )
 from .copies import CopyTask
 from .hooks import Hooks, WholeSamples
+from .main_script import unguarded_main, unreachable_main
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import describe_item, where
 from .sampling import WorkerStreams
@@ -634,40 +634,6 @@ def _forkserver_children() -> list[Any]:
     return [child for child in multiprocessing.active_children() if isinstance(child, kind)]
 
 
-def unguarded_main() -> str | None:
-    """The main script's path where workers started by ``context`` would import it and it has no
-    ``if __name__ == "__main__":`` guard at its top level: a worker would run the training script
-    again (``spawn`` and fork servers import it, as ``__mp_main__``). None where it is safe: no
-    main file (a notebook, ``python -c``) or a guard found. ``"auto"`` moves nothing to processes
-    then; ``"process"``, asked for, documents the need, as torch does for ``spawn``."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
-    if not path or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as file:
-            tree = ast.parse(file.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return path
-    for node in tree.body:
-        if isinstance(node, ast.If) and _is_main_test(node.test):
-            return None
-    return path
-
-
-def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"``, either way round."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-        return False
-    if not isinstance(test.ops[0], ast.Eq):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [side for side in sides if isinstance(side, ast.Name) and side.id == "__name__"]
-    texts = [side for side in sides if isinstance(side, ast.Constant) and side.value == "__main__"]
-    return bool(names and texts)
-
-
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     """The fork server's preload list (the main script, by default) with this module, ``extra``
     and the main script's imports added, so that workers start with them imported (the list is
@@ -1084,6 +1050,7 @@ class PoolStarter:
     def __call__(self) -> ProcessPool:
         # torch's warning when worker processes outnumber the CPUs, given where torch gives it
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
+        self._check_main(start_context(self.multiprocessing_context))
         return ProcessPool(
             self.job,
             self.num_workers,
@@ -1094,11 +1061,14 @@ class PoolStarter:
         )
 
     def unsafe(self) -> str | None:
-        """Why these workers must not start, or None: a script without a main guard that they
-        would import (see :func:`unguarded_main`)."""
+        """Why ``"auto"`` must not start these workers, or None: a main module they could not
+        import, or a script without a main guard that they would (see :mod:`.main_script`)."""
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
             return None
+        reason = unreachable_main(self.job)
+        if reason is not None:
+            return reason
         path = unguarded_main()
         if path is None:
             return None
@@ -1106,6 +1076,21 @@ class PoolStarter:
             f"worker processes would run the main script again: {path} has no "
             '`if __name__ == "__main__":` guard'
         )
+
+    def _check_main(self, context: Any) -> None:
+        """Raise at once where no worker could run the job (see :func:`unreachable_main`), rather
+        than fail every batch with a dead worker; torch's default ``fork`` meets no such case."""
+        if context.get_start_method() == "fork":
+            return
+        reason = unreachable_main(self.job)
+        if reason is not None:
+            raise RuntimeError(
+                f"worker_method='process' cannot start its workers by "
+                f"{context.get_start_method()!r}: {reason}. Import what the workers need from a "
+                "module (run the script from a file), pass multiprocessing_context='fork' to "
+                "fork them from this process (safe only while no other thread holds a lock), or "
+                "use worker_method='thread'."
+            )
 
 
 def attach(pipeline: Pipeline[Any], pool: ProcessPool | None) -> Pipeline[Any]:

@@ -1,0 +1,123 @@
+"""What worker processes that do not fork can have of the main module.
+
+A worker started by ``spawn`` or a fork server is a fresh interpreter: it recreates the main
+module (as ``__mp_main__``) by importing it, by name where the program ran with ``python -m``,
+else from its file, and unpickles what it is given against it. Three programs break that:
+
+- a script without an ``if __name__ == "__main__":`` guard: every worker would run the training
+  script again (:func:`unguarded_main`);
+- a script read from standard input: its "file" (``<stdin>``) does not exist, so every worker
+  fails as it starts;
+- a notebook or ``python -c``: there is no file, so the workers' main module is empty, and a
+  dataset class or a function defined there cannot be unpickled (:func:`unreachable_main`).
+
+torch's loader forks on Linux by default and meets none of these; ``"auto"`` therefore keeps such
+a stage on threads and says why, and ``worker_method="process"`` names the problem at once
+instead of failing every batch.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import pickle
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def unguarded_main() -> str | None:
+    """The main script's path where workers started by ``context`` would import it and it has no
+    ``if __name__ == "__main__":`` guard at its top level: a worker would run the training script
+    again (``spawn`` and fork servers import it, as ``__mp_main__``). None where it is safe: no
+    main file (a notebook, ``python -c``) or a guard found. ``"auto"`` moves nothing to processes
+    then; ``"process"``, asked for, documents the need, as torch does for ``spawn``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as file:
+            tree = ast.parse(file.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return path
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            return None
+    return path
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [side for side in sides if isinstance(side, ast.Name) and side.id == "__name__"]
+    texts = [side for side in sides if isinstance(side, ast.Constant) and side.value == "__main__"]
+    return bool(names and texts)
+
+
+def unreachable_main(job: Any) -> str | None:
+    """Why workers that import the main module could not run ``job``, or None where they can:
+    the main module was read from standard input (no worker can start), or it has no file and
+    ``job`` holds classes or functions defined in it (no worker can unpickle them)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None):
+        return None  # python -m: workers import it by name
+    path = getattr(main, "__file__", None)
+    if path is not None:
+        if os.path.isfile(path):
+            return None
+        return f"the main script was read from {path}, which worker processes cannot import"
+    names = defined_in_main(job)
+    if not names:
+        return None
+    return (
+        f"worker processes cannot unpickle {', '.join(names)}: defined in __main__, which has "
+        "no file they could import (a notebook or python -c)"
+    )
+
+
+def defined_in_main(value: Any) -> list[str]:
+    """The classes and functions of ``__main__`` that pickling ``value`` refers to, by name,
+    found by pickling it to nowhere; what cannot be pickled ends the search (the workers'
+    start reports it)."""
+    scan = _MainScan()
+    with contextlib.suppress(Exception):
+        scan.dump(value)
+    return list(dict.fromkeys(scan.names))
+
+
+class _Nowhere:
+    def write(self, data: Any) -> None:
+        pass
+
+
+class _MainScan(pickle.Pickler):
+    """A pickler that writes nothing and notes the classes and functions of ``__main__`` it
+    meets; tensors' and arrays' data is skipped (copying it is the cost, and it names no
+    class)."""
+
+    def __init__(self) -> None:
+        super().__init__(_Nowhere(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.names: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            if obj.__module__ == "__main__":
+                self.names.append(obj.__qualname__)
+            return NotImplemented
+        if isinstance(obj, torch.Tensor) or (
+            isinstance(obj, np.ndarray) and not obj.dtype.hasobject
+        ):
+            if type(obj).__module__ == "__main__":
+                self.names.append(type(obj).__qualname__)
+            return tuple, ()
+        return NotImplemented
