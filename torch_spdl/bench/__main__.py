@@ -107,7 +107,7 @@ def configure(args: argparse.Namespace) -> Config:
         images=pick(args.images, 2048, 256),
         out=args.out,
         a=series.ImageOptions(
-            root=None, workers=(1, 2) if quick else (1, 2, 4), batches=pick(batches, 16, 2)
+            root=None, workers=series.host_workers(), batches=pick(batches, 16, 2)
         ),
         b=remote.Options(
             batches=pick(batches, 128, 8),
@@ -188,8 +188,11 @@ def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]
 def analyse_images(
     root: Path, variants: Sequence[Variant], small: bool, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Workload A's per-stage view (see :mod:`.profile`), with each loader at 2 workers."""
+    """Workload A's per-stage view (see :mod:`.profile`), with each loader at the sweep's most
+    workers (the host's cores)."""
     from . import images, profile
+
+    most = max(variant.workers for variant in variants)
 
     say("workload A: CPU per step, thread scaling, loader CPU by thread")
     found: dict[str, Any] = {
@@ -198,13 +201,14 @@ def analyse_images(
             root, items=16 if small else 256, rounds=1 if small else 3
         ),
         "loader_cpu_ms": {},
+        "loader_cpu_workers": most,
     }
     for variant in variants:
-        if variant.workers == 2 and variant.loader != images.PLAIN:
+        if variant.workers == most and variant.loader != images.PLAIN:
             found["loader_cpu_ms"][variant.name] = profile.loader_cpu(
                 variant.make, variant.batches, images.BATCH
             )
-        if variant.workers == 2 and variant.loader == images.SWAPPED:
+        if variant.workers == most and variant.loader == images.SWAPPED:
             found["intra_op_threads"] = profile.intra_op_effect(variant, rounds=1 if small else 3)
     return found
 

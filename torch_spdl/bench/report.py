@@ -111,7 +111,9 @@ def analysis_text(analysis: Mapping[str, Any]) -> str:
         lines.append(f"| {name} | {value:,.2f} |")
     for name, value in analysis.get("intra_op_threads", {}).items():
         lines.append(f"| {name} | {value:,.0f} |")
-    lines += ["", "Workload A, loader CPU per sample by thread or process (ms), 2 workers:", ""]
+    workers = analysis.get("loader_cpu_workers", 2)
+    title = f"Workload A, loader CPU per sample by thread or process (ms), {workers} workers:"
+    lines += ["", title, ""]
     lines += ["| loader | where | CPU ms per sample |", "|---|---|---:|"]
     for loader, groups in analysis.get("loader_cpu_ms", {}).items():
         for group, value in groups.items():
