@@ -401,6 +401,15 @@ def test_training_variants_yield_checked_batches_and_measure_the_consumer(tmp_pa
             assert sample.main_cpu_s_per_1000 > 0
 
 
+def test_workload_a_follows_the_host_and_its_analysis_can_be_skipped():
+    from torch_spdl.bench import __main__ as bench
+
+    config = bench.configure(bench.parse_args(["--quick"]))
+    assert config.a.workers == series.host_workers() and config.analysis
+    assert series.host_workers(16) == (1, 8, 16)
+    assert not bench.configure(bench.parse_args(["--no-analysis"])).analysis
+
+
 def test_only_the_images_workload_imports_torchvision():
     """B and C measure the memory of their processes: an unused torchvision (160 MB of PSS)
     would count on both sides of their ratios."""
@@ -426,11 +435,12 @@ def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert header in result.stdout
-    assert "\n| A | torch_spdl hooks+fast path | 2 |" in result.stdout, result.stdout
+    most = max(series.host_workers())  # the sweep follows the host: 1, half, all its cores
+    assert f"\n| A | torch_spdl hooks+fast path | {most} |" in result.stdout, result.stdout
     assert "Targets:" in result.stdout
     assert "[met]" in result.stdout or "[NOT met]" in result.stdout
     assert "Workload A, loader CPU per sample by thread or process" in result.stdout
-    assert "[round 1/1] A torch_spdl hooks+fast path (2)" in result.stderr  # progress
+    assert f"[round 1/1] A torch_spdl hooks+fast path ({most})" in result.stderr  # progress
     assert (tmp_path / "cache" / "torch_spdl" / "bench").is_dir()  # not the real home cache
     with Image.open(out / "bench.png") as image:
         assert image.format == "PNG"

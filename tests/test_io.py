@@ -675,6 +675,22 @@ def test_a_gpu_decodes_the_batch_as_the_cpu_stand_in_does():
     assert [(b[0].device.type, tuple(b[0].shape)) for b in loader] == [("cuda", (3, 3, 48, 48))] * 2
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_jpeg_form_decodes_on_the_gpu_as_on_the_cpu():
+    """All the forms a data set holds, in one batch on the GPU: those nvJPEG refuses (CMYK, say)
+    go to the CPU fallback, and every image is the CPU stand-in's within a level or two."""
+    forms = accepted_jpegs()
+    torch.manual_seed(0)
+    stand_in = collate_images([RandomResizedCrop(24, decode_on="cpu")(d) for d in forms.values()])
+    torch.manual_seed(0)
+    encoded = collate_images([RandomResizedCrop(24, decode_on="cuda")(d) for d in forms.values()])
+    on_gpu = encoded.decode()
+    assert on_gpu.device.type == "cuda" and on_gpu.shape == (len(forms), 3, 24, 24)
+    for name, got, want in zip(forms, on_gpu.cpu(), stand_in.decode(), strict=True):
+        assert (got.float() - want.float()).abs().mean() < 2.0, name
+
+
 def test_encoded_images_batch_only_with_their_own_kind():
     crop = RandomResizedCrop(32, decode_on="cpu")
     encoded, decoded = crop(jpeg()), RandomResizedCrop(32)(jpeg())

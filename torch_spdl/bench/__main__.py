@@ -49,6 +49,7 @@ class Config:
     b: remote.Options
     c: strings.Options
     d: series.TrainingOptions  # its root is filled in when the data is ready
+    analysis: bool = True  # workload A's per-stage view after its rounds
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -70,6 +71,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workloads", default="A,B,C,D", help="a comma-separated subset of A,B,C,D"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of under a minute")
+    parser.add_argument(
+        "--no-analysis",
+        dest="analysis",
+        action="store_false",
+        help="skip workload A's per-stage view (CPU per step, thread scaling, CPU per thread)",
+    )
     parser.add_argument("--images", type=int, help="synthetic images for A (default 2048)")
     parser.add_argument("--strings", type=int, help="strings in C's dataset (default 2,000,000)")
     # set by orchestrate.py for the process that runs one workload, and for the report's
@@ -127,6 +134,7 @@ def configure(args: argparse.Namespace) -> Config:
             step_ms=5.0 if quick else 20.0,
             warmup=pick(None, 8, 2),
         ),
+        analysis=args.analysis,
     )
 
 
@@ -164,7 +172,8 @@ def run_workload(config: Config, workload: str, say: Progress) -> dict[str, Any]
         root = image_root(config, say)
         with images.prepare(dataclasses.replace(config.a, root=root)) as variants:
             results = run_rounds(variants, config.rounds, say)
-            analysis = analyse_images(root, variants, small=config.images < 512, say=say)
+            if config.analysis:
+                analysis = analyse_images(root, variants, small=config.images < 512, say=say)
     elif workload == "D":
         from . import training  # torchvision, as for A
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every GPU check that issues 16 and 18 ask for, in one run of at most 9 minutes (about 5 when
+# nothing hangs) on a lent GPU host (one H100 or H200, 16 cores), since such a host is lent for
+# 15 minutes a task at most.
+#
+# Each step has a time limit of its own, so a step that hangs costs only its limit; each writes
+# its log to $OUT/<step>.log (8 files come back at most: the summary and 6 logs), and
+# $OUT/summary.txt says what ran where, each step's exit status and its seconds.
+#
+#   1. data          workload A's synthetic ImageFolder, 4,096 JPEGs (shared by the steps below)
+#   2. cuda_tests    pytest -m cuda: transfer, pinning, GPU decode (test_io needs av)
+#   3. train_e2e     ResNet-50 (bf16, channels_last) fed by torch, the import swap, the fast
+#                    path and GPU decode, against the model alone (issue 16's end-to-end target,
+#                    issue 18's GPU-decode one)
+#   4. bench_A       workload A at 1, 8 and 16 workers: threads against torch's processes, and
+#                    the GPU-decode variant (issue 18's loader-alone target)
+#   5. decoders      torchvision's nvJPEG against nvImageCodec on the GPU (issue 18's choice)
+#   6. gpu_transfer  the transfer stage's bandwidth and a ResNet-50 step's data stall
+#
+# Wheels the device's Python (3.12) lacks travel in .whl (carry it), made here beforehand:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl av nvidia-nvimgcodec-cu13 'nvidia-nvjpeg>=13'
+# (about 61 MiB with the repository: the device takes 64.) Then, on the device tool:
+#   run(command="bash benchmarks/gpu_host.sh", carry=[".whl"], timeout_s=600)
+# Without a GPU the CUDA steps skip or say so, which is how this script is checked off one.
+set -u
+OUT=${OUT:-$PWD/gpu_host_out}
+mkdir -p "$OUT"
+summary=$OUT/summary.txt
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+IMAGES=${GPU_HOST_IMAGES:-4096}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_host_site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/gpu_host_site
+fi
+
+{
+    date -u
+    nproc
+    nvidia-smi -L 2>&1 || true
+    $PY -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision',
+        torchvision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available()
+        else 'no CUDA')"
+    $PY -c "import av; print('av', av.__version__)" 2>&1 | tail -1
+    $PY -c "from torch_spdl.io.region import region_decoder; print('region decoder:',
+        region_decoder() is not None)"
+} > "$summary" 2>&1
+
+step() { # step NAME SECONDS COMMAND...: run it under its limit, log it, note rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    local began=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: rc=$? in $((SECONDS - began)) s (limit $limit): ${*//$'\n'/; }" >> "$summary"
+}
+
+step data 60 $PY -c "import torch_spdl.bench.data as d
+print(d.synthetic_imagefolder(d.ImageSpec($IMAGES)))"
+step cuda_tests 120 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
+    tests/test_transfer.py tests/test_pin_memory.py tests/test_io.py
+step train_e2e 150 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 --steps 40 \
+    --warmup 8 --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode
+step bench_A 120 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
+    --batches 8 --no-analysis --out /tmp/gpu_host_bench
+step decoders 40 $PY benchmarks/gpu_decoders.py --images "$IMAGES" --repeats 8
+step gpu_transfer 60 $PY benchmarks/gpu_transfer.py --rounds 1 --steps 30
+cat "$summary"
