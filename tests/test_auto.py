@@ -631,6 +631,23 @@ def test_forked_workers_need_no_main_module(monkeypatch):
     assert PoolStarter(job, 2, 0, None, context, None).unsafe() is None
 
 
+def test_the_main_module_is_looked_at_once_a_trial_ends_not_at_every_pass(
+    monkeypatch, no_leak, decides
+):
+    """In a notebook, looking pickles the dataset: only a trial's end asks, and a decision
+    taken is kept for the next passes without asking again."""
+    from torch_spdl.processes import PoolStarter
+
+    asked = []
+    monkeypatch.setattr(PoolStarter, "unsafe", lambda starter: asked.append(1))
+    decides(THREAD)
+    loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
+    assert asked == []  # made, not yet iterated
+    for _ in range(3):
+        assert len(list(loader)) == 250
+    assert asked == [1]
+
+
 NOTEBOOK = """
 import sys, torch, torch_spdl
 from torch_spdl import auto, iterator

@@ -365,7 +365,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             name,
             start=start,
             make_pool=make_pool,
-            conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe()),
+            conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe),
             trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
             route=THREAD if decided is None else decided.executor,
             hands_over=self._moved is not None,
@@ -379,12 +379,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         loader: DataLoader,
         inline_possible: bool,
         tasks_per_batch: int,
-        no_processes: str | None,
+        unsafe: Callable[[], str | None],
     ) -> Callable[[Trial], Decision]:
-        """What turns a trial into a decision, holding plain values only (stage threads call it)."""
+        """What turns a trial into a decision, holding plain values only (stage threads call it).
+        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it is asked
+        when a trial ends, not at every pass: in a notebook it pickles the dataset to look."""
         state = loader._auto
+        budget = None
         if self._budget.enabled and self._plan.hooks is None:
-            no_processes = "max_failures skips samples on threads only when there are no hooks"
+            budget = "max_failures skips samples on threads only when there are no hooks"
         try:
             total: int | None = len(self._index_sampler) * tasks_per_batch
         except TypeError:
@@ -396,7 +399,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             decision = decide(
                 measured,
                 gil_enabled=gil.gil_enabled(),
-                no_processes=no_processes,
+                no_processes=budget or unsafe(),
                 inline_possible=inline_possible,
                 remaining_tasks=remaining,
             )
