@@ -697,11 +697,11 @@ def _explain_pickling(context: Any, error: Exception) -> None:
     if method == "fork":
         return
     warnings.warn(
-        f"worker_method='process' could not start a worker process by {method!r}: what a "
-        "worker is given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must "
-        f"be picklable, and this was not ({error}). Make it picklable, or pass "
-        "multiprocessing_context='fork' to fork the workers from this process, which is safe "
-        "only while no other thread holds a lock.",
+        f"the DataLoader's worker processes could not start by {method!r}: what a worker is "
+        "given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must be "
+        f"picklable, and this was not ({error}). Make it picklable (worker_method='auto' keeps "
+        "the stage on threads until then), or pass multiprocessing_context='fork' to fork the "
+        "workers from this process, which is safe only while no other thread holds a lock.",
         RuntimeWarning,
         stacklevel=2,
     )
