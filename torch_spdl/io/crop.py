@@ -6,7 +6,8 @@ threads running it top out near three cores. :class:`RandomResizedCrop` does the
 few calls that each release the GIL for nearly all of their time:
 
 1. the crop is drawn from the image's size, read from the JPEG header (no pixels decoded), with
-   one ``torch.rand`` call for all of RandomResizedCrop's tries (:func:`random_crop_box`);
+   one ``torch.rand`` call for all of RandomResizedCrop's tries and the flip
+   (:func:`random_crop_box`);
 2. the whole image is decoded by libjpeg-turbo (torchvision's native decoder), or, for an RGB
    JPEG where nvImageCodec is installed, only the crop (:mod:`torch_spdl.io.region`);
 3. the crop is copied out in channels-last layout, which torch's uint8 antialiased bilinear
@@ -63,9 +64,20 @@ def random_crop_box(
     ``torch``'s generator (seeded per worker as torch's are) in one call instead of four per try.
     """
     _check(scale, ratio)
+    return _box_from(
+        height, width, scale, ratio, torch.rand(TRIES * 4, generator=generator).tolist()
+    )
+
+
+def _box_from(
+    height: int, width: int, scale: Sequence[float], ratio: Sequence[float], draws: list[float]
+) -> Box:
+    """:func:`random_crop_box`'s rule on ``draws``, four uniform numbers per try (at least
+    ``4 * TRIES``, drawn by the caller in one call with whatever else it needs)."""
     area = height * width
     low, high = math.log(ratio[0]), math.log(ratio[1])
-    for u_area, u_ratio, u_top, u_left in torch.rand(TRIES, 4, generator=generator).tolist():
+    for k in range(TRIES):
+        u_area, u_ratio, u_top, u_left = draws[4 * k : 4 * k + 4]
         target = area * (scale[0] + (scale[1] - scale[0]) * u_area)
         aspect = math.exp(low + (high - low) * u_ratio)
         w = int(round(math.sqrt(target * aspect)))
@@ -110,7 +122,9 @@ def _resized(crop: torch.Tensor, size: tuple[int, int], antialias: bool) -> torc
     if tuple(crop.shape[-2:]) == tuple(size):
         return crop[0]
     out = F.interpolate(crop, size=size, mode="bilinear", antialias=antialias)
-    return out.contiguous(memory_format=torch.channels_last)[0]  # as is, unless N=1 misled it
+    if not out.is_contiguous(memory_format=torch.channels_last):  # N=1 may mislead it
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out[0]
 
 
 def image_size(encoded: torch.Tensor) -> tuple[int, int] | None:
@@ -180,19 +194,20 @@ class RandomResizedCrop:
         if size is None:  # neither JPEG nor PNG: the size is known once decoded
             image = _decode(encoded, self.mode)
             size = (image.shape[-2], image.shape[-1])
-        box = random_crop_box(*size, self.scale, self.ratio)
+        # the crop's tries and the flip in one draw: each torch call lets the GIL go, and
+        # where threads wait for it each is a hand-off (one context switch per image fewer)
+        draws = torch.rand(TRIES * 4 + 1).tolist()
+        box = _box_from(*size, self.scale, self.ratio, draws)
+        flip = draws[-1] < self.flip
         if self._deferred():
             if _starts_with(encoded, _JPEG_MAGIC):
                 check_jpeg(encoded)  # a file that would fail the batch fails its sample here
-            flip = bool(self.flip) and torch.rand(()).item() < self.flip
             assert self.decode_on is not None  # _deferred() says so
             return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on)
         out = self._region(encoded, size, box) if image is None else None
         if out is None:
             out = self._whole(encoded, image, size, box)
-        if self.flip and torch.rand(()).item() < self.flip:
-            out = out.flip(-1)
-        return out
+        return out.flip(-1) if flip else out
 
     def _region(
         self, encoded: torch.Tensor, size: tuple[int, int], box: Box
