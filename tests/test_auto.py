@@ -706,7 +706,7 @@ def test_processes_that_die_as_they_start_cost_no_sample(quick_switch, no_child_
     import functools
 
     decides(PROCESS)
-    dataset = PythonSamples(600, 1000)
+    dataset = PythonSamples(3000, 20_000)  # a pass long enough to see the processes fail
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
     init = functools.partial(exit_in_a_worker_process, os.getpid())
     loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2, worker_init_fn=init)
@@ -715,6 +715,63 @@ def test_processes_that_die_as_they_start_cost_no_sample(quick_switch, no_child_
     executor = loader.stats().executor
     assert "could not start (RuntimeError: DataLoader worker process" in executor, executor
     assert "exit code 3" in executor, executor
+
+
+def sleep_in_a_worker_process(parent: int, worker_id: int) -> None:
+    if os.getpid() != parent:
+        time.sleep(600)
+
+
+def test_a_pass_given_up_waits_for_no_worker_process_still_setting_up(
+    quick_switch, no_child_left, decides
+):
+    """Processes whose ``worker_init_fn`` takes long are the stage's from their start: giving
+    up the pass stops them, rather than waiting for them to come up and then stopping them."""
+    import functools
+    import multiprocessing
+
+    decides(PROCESS)
+    init = functools.partial(sleep_in_a_worker_process, os.getpid())
+    dataset = PythonSamples(3000, 20_000)
+    loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2, worker_init_fn=init)
+    it = iter(loader)
+    deadline = time.monotonic() + 60
+    while len(multiprocessing.active_children()) < 2 and time.monotonic() < deadline:
+        next(it)  # the trial decides; the processes start and sit in worker_init_fn
+    assert len(multiprocessing.active_children()) == 2 and it._switch.route == THREAD
+    closing = threading.Thread(target=it.close)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive(), "the close waited for worker processes setting up"
+
+
+class WithLambda(PythonSamples):
+    """A GIL-bound dataset holding a lambda, as ``transforms.Lambda(lambda x: ...)`` does: no
+    worker process started from a fork server can be given it."""
+
+    def __init__(self, n: int, loop: int) -> None:
+        super().__init__(n, loop)
+        self.tag = lambda index: index
+
+
+def test_a_stage_that_cannot_move_stays_on_threads_in_the_next_passes(
+    quick_switch, no_child_left, decides
+):
+    """The fallback is kept for the loader: its next passes run on threads from the start,
+    where they used to start the processes ``"auto"`` had chosen, and fail."""
+    import warnings
+
+    decides(PROCESS)
+    dataset = WithLambda(600, 1000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
+    loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "the DataLoader's worker processes could not start")
+        for _ in range(3):
+            got, pids = indices_of(loader)
+            assert got == expected and pids == {os.getpid()}
+    executor = loader.stats().executor
+    assert "worker processes could not start" in executor and "pickle" in executor, executor
 
 
 def staged_pair(n: int, persistent: bool) -> tuple[Any, Any]:

@@ -439,3 +439,8 @@ class AutoState:
     acted on from the next pass's start and not measured again."""
 
     decision: Decision | None = None
+
+    def keep(self, decision: Decision) -> None:
+        """Keep ``decision`` for the next passes, if it is final."""
+        if decision.final:
+            self.decision = decision

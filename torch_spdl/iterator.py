@@ -369,6 +369,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
             route=THREAD if decided is None else decided.executor,
             hands_over=self._moved is not None,
+            keep=loader._auto.keep,
         )
         self._switch = switch
         self.stats_probe.switch = switch
@@ -384,7 +385,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """What turns a trial into a decision, holding plain values only (stage threads call it).
         ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it is asked
         when a trial ends, not at every pass: in a notebook it pickles the dataset to look."""
-        state = loader._auto
         budget = None
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
@@ -396,16 +396,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
             remaining = None if total is None else max(0, total - measured.stage.count)
-            decision = decide(
+            return decide(
                 measured,
                 gil_enabled=gil.gil_enabled(),
                 no_processes=budget or unsafe(),
                 inline_possible=inline_possible,
                 remaining_tasks=remaining,
             )
-            if decision.final:
-                state.decision = decision
-            return decision
 
         return conclude
 

@@ -66,6 +66,7 @@ class Switch:
         trial: Trial | None,
         route: str = THREAD,
         hands_over: bool = False,
+        keep: Callable[[Decision], None] = lambda decision: None,
     ) -> None:
         self._local = local
         self._remote = remote
@@ -82,6 +83,7 @@ class Switch:
         self._start_error: BaseException | None = None
         self._closed = False
         self._hands_over = hands_over
+        self._keep = keep
         self.pool_ready = False  # hands_over: the processes are up, for take_pool
 
     # -- the stage's on_start and fn --------------------------------------------------------------
@@ -113,6 +115,7 @@ class Switch:
             trial.stop()
             decision = self._conclude(trial)
             self.decision = decision
+            self._keep(decision)  # processes that come up after this pass serve the next
             if decision.executor == PROCESS:
                 self._starter = threading.Thread(
                     target=self._start_pool, name="torch_spdl.auto-start", daemon=False
@@ -124,28 +127,45 @@ class Switch:
     def _start_pool(self) -> None:
         """Start the worker processes; the stage threads switch to them once every one is set
         up. A pool that cannot start, or whose workers fail to come up, leaves the stage on its
-        threads, and says why in the decision."""
+        threads, and says why in the decision. The pool is the stage's from its start, so that
+        :meth:`close` stops it without waiting for a worker still setting up."""
         pool: ProcessPool | None = None
         try:
             pool = self._make_pool()
+            with self._lock:
+                if self._closed:
+                    pool.close()
+                    return
+                self._pool = pool
             pool.wait_ready()
         except Exception as error:  # an unpicklable dataset, no fork server, a worker died, ...
-            if pool is not None:
-                pool.close()
-            self._start_error = error
-            self.decision = Decision(
-                THREAD, f"worker processes could not start ({type(error).__name__}: {error})"
-            )
+            self._fall_back(pool, error)
             return
         with self._lock:
-            if self._closed:
-                pool.close()
+            if self._closed:  # close() has stopped the pool
                 return
-            self._pool = pool
             if self._hands_over:
                 self.pool_ready = True
             else:
                 self.route = PROCESS
+
+    def _fall_back(self, pool: ProcessPool | None, error: Exception) -> None:
+        """Stay on threads after ``pool`` failed to start or to come up, and keep that for the
+        next passes in place of the processes, saying why; unless the stage closed while the
+        pool came up: the error may then be the close's own, and the next pass starts them."""
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+            interrupted = self._closed and pool is not None
+        if pool is not None:
+            pool.close()
+        if interrupted:
+            return
+        self._start_error = error
+        self.decision = Decision(
+            THREAD, f"worker processes could not start ({type(error).__name__}: {error})"
+        )
+        self._keep(self.decision)
 
     def _in_process(self, task: Any) -> Any:
         pool = self._pool
@@ -171,19 +191,19 @@ class Switch:
         return self._start_error
 
     def close(self) -> None:
-        """Stop the worker processes (and wait for a start under way): on every pipeline stop."""
+        """Stop the worker processes, those still coming up included, then wait for the thread
+        that starts them: on every pipeline stop."""
         with self._lock:
             self._closed = True
             starter, trial = self._starter, self.trial
-        if trial is not None:
-            trial.stop()
-        if starter is not None and starter is not threading.current_thread():
-            starter.join()
-        with self._lock:
             pool, self._pool = self._pool, None
             self.pool_ready = False
+        if trial is not None:
+            trial.stop()
         if pool is not None:
-            pool.close()
+            pool.close()  # wakes a starter waiting for it to come up
+        if starter is not None and starter is not threading.current_thread():
+            starter.join()  # one that made its pool after this closes the pool itself
 
 
 class Cut:
