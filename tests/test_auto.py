@@ -631,21 +631,78 @@ def test_forked_workers_need_no_main_module(monkeypatch):
     assert PoolStarter(job, 2, 0, None, context, None).unsafe() is None
 
 
-def test_the_main_module_is_looked_at_once_a_trial_ends_not_at_every_pass(
-    monkeypatch, no_leak, decides
+@pytest.mark.parametrize("chosen", [PROCESS, THREAD])
+def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processes(
+    monkeypatch, no_leak, chosen
 ):
-    """In a notebook, looking pickles the dataset: only a trial's end asks, and a decision
-    taken is kept for the next passes without asking again."""
+    """Looking pickles the dataset: only a trial that ends in processes asks, once, and the
+    decision taken is kept for the next passes without asking again."""
     from torch_spdl.processes import PoolStarter
 
+    def told(measured, no_processes=None, **_):
+        if no_processes is not None:
+            return Decision(THREAD, f"told, but {no_processes}", measured)
+        return Decision(chosen, "told", measured)
+
     asked = []
-    monkeypatch.setattr(PoolStarter, "unsafe", lambda starter: asked.append(1))
-    decides(THREAD)
+    monkeypatch.setattr(torch_spdl.iterator, "decide", told)
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    monkeypatch.setattr(PoolStarter, "unsafe", lambda starter: asked.append(1) or "it says no")
     loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
     assert asked == []  # made, not yet iterated
     for _ in range(3):
         assert len(list(loader)) == 250
-    assert asked == [1]
+    assert asked == ([1] if chosen == PROCESS else [])
+    assert loader.stats().executor.startswith(
+        "worker_method='auto' chose thread: told" + (", but it says no" if asked else "")
+    )
+
+
+# -- what each worker process would hold a copy of ---------------------------------------------
+class Holding(Indices):
+    """A map-style dataset holding ``value``."""
+
+    def __init__(self, n: int, value: Any) -> None:
+        super().__init__(n)
+        self.value = value
+
+
+def test_a_worker_would_copy_arrays_and_the_pickle_but_share_tensors():
+    import numpy as np
+
+    from torch_spdl.pickled import contents
+
+    empty = contents(Holding(4, None)).copied_bytes
+    array = np.zeros(1 << 20, dtype=np.uint8)
+    assert 0 <= contents(Holding(4, array)).copied_bytes - empty - array.nbytes < 100
+    encoded = [bytes([i]) * 1000 for i in range(100)]  # encoded images: pickled, so copied
+    assert contents(Holding(4, encoded)).copied_bytes >= empty + 100_000
+    # torch's reductions put a tensor's storage in shared memory once, for every worker
+    assert contents(Holding(4, torch.zeros(1 << 20))).copied_bytes < empty + 1000
+
+
+def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkeypatch):
+    """Threads share the dataset; each worker process started from a fork server holds a copy
+    (torch's forked workers share it): copies over 1/16 of the host's memory stay out."""
+    import numpy as np
+
+    from torch_spdl import pickled
+    from torch_spdl.processes import FetchJob, PoolStarter
+
+    monkeypatch.setattr(pickled, "physical_memory", lambda: 256 << 20)  # a 256 MiB host
+    dataset = Holding(4, np.zeros(8 << 20, dtype=np.uint8))  # 8 MiB
+
+    def reason(workers: int) -> str | None:
+        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).unsafe()
+
+    assert reason(1) is None  # 8 MiB of 256: under 1/16
+    said = reason(2)
+    assert said is not None and said.startswith(
+        "each worker process would hold its own copy of the 8 MiB it is given (0.0 GiB for 2, "
+        "over 1/16 of this host's 0 GiB), where threads share it"
+    ), said
+    decision = decide(measured(stage_wait=0.6), cpus=16, no_processes=said)
+    assert decision.executor == THREAD and "its own copy" in decision.reason
 
 
 NOTEBOOK = """

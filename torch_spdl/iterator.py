@@ -383,8 +383,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         unsafe: Callable[[], str | None],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
-        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it is asked
-        when a trial ends, not at every pass: in a notebook it pickles the dataset to look."""
+        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it pickles
+        the dataset to look, so it is asked only where a trial ends in processes."""
         budget = None
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
@@ -396,13 +396,18 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
             remaining = None if total is None else max(0, total - measured.stage.count)
-            return decide(
+            rule = functools.partial(
+                decide,
                 measured,
                 gil_enabled=gil.gil_enabled(),
-                no_processes=budget or unsafe(),
                 inline_possible=inline_possible,
                 remaining_tasks=remaining,
             )
+            decision = rule(no_processes=budget)
+            if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look
+                why = unsafe()
+                decision = decision if why is None else rule(no_processes=why)
+            return decision
 
         return conclude
 

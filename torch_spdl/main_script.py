@@ -19,15 +19,11 @@ instead of failing every batch.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
-import pickle
 import sys
-import types
 from typing import Any
 
-import numpy as np
-import torch
+from .pickled import Contents, contents
 
 
 def unguarded_main() -> str | None:
@@ -64,10 +60,11 @@ def _is_main_test(test: ast.expr) -> bool:
     return bool(names and texts)
 
 
-def unreachable_main(job: Any) -> str | None:
+def unreachable_main(job: Any, found: Contents | None = None) -> str | None:
     """Why workers that import the main module could not run ``job``, or None where they can:
     the main module was read from standard input (no worker can start), or it has no file and
-    ``job`` holds classes or functions defined in it (no worker can unpickle them)."""
+    ``job`` holds classes or functions defined in it (no worker can unpickle them). ``found``:
+    what pickling ``job`` found, if the caller has it (else it is pickled here, where needed)."""
     main = sys.modules.get("__main__")
     if main is None or getattr(getattr(main, "__spec__", None), "name", None):
         return None  # python -m: workers import it by name
@@ -76,48 +73,10 @@ def unreachable_main(job: Any) -> str | None:
         if os.path.isfile(path):
             return None
         return f"the main script was read from {path}, which worker processes cannot import"
-    names = defined_in_main(job)
+    names = (found or contents(job)).main_names
     if not names:
         return None
     return (
         f"worker processes cannot unpickle {', '.join(names)}: defined in __main__, which has "
         "no file they could import (a notebook or python -c)"
     )
-
-
-def defined_in_main(value: Any) -> list[str]:
-    """The classes and functions of ``__main__`` that pickling ``value`` refers to, by name,
-    found by pickling it to nowhere; what cannot be pickled ends the search (the workers'
-    start reports it)."""
-    scan = _MainScan()
-    with contextlib.suppress(Exception):
-        scan.dump(value)
-    return list(dict.fromkeys(scan.names))
-
-
-class _Nowhere:
-    def write(self, data: Any) -> None:
-        pass
-
-
-class _MainScan(pickle.Pickler):
-    """A pickler that writes nothing and notes the classes and functions of ``__main__`` it
-    meets; tensors' and arrays' data is skipped (copying it is the cost, and it names no
-    class)."""
-
-    def __init__(self) -> None:
-        super().__init__(_Nowhere(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.names: list[str] = []
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)):
-            if obj.__module__ == "__main__":
-                self.names.append(obj.__qualname__)
-            return NotImplemented
-        if isinstance(obj, torch.Tensor) or (
-            isinstance(obj, np.ndarray) and not obj.dtype.hasobject
-        ):
-            if type(obj).__module__ == "__main__":
-                self.names.append(type(obj).__qualname__)
-            return tuple, ()
-        return NotImplemented

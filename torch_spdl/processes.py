@@ -75,6 +75,7 @@ from .compat import (
 from .copies import CopyTask
 from .hooks import Hooks, WholeSamples
 from .main_script import unguarded_main, unreachable_main
+from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
 from .pipeline.stages import describe_item, where
 from .sampling import WorkerStreams
@@ -1062,20 +1063,23 @@ class PoolStarter:
 
     def unsafe(self) -> str | None:
         """Why ``"auto"`` must not start these workers, or None: a main module they could not
-        import, or a script without a main guard that they would (see :mod:`.main_script`)."""
+        import, or a script without a main guard that they would (see :mod:`.main_script`), or
+        copies of the dataset too large for this host (see :mod:`.pickled`). It pickles the job
+        to look: ``"auto"`` asks only where it would start them."""
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
             return None
-        reason = unreachable_main(self.job)
+        found = contents(self.job)
+        reason = unreachable_main(self.job, found)
         if reason is not None:
             return reason
         path = unguarded_main()
-        if path is None:
-            return None
-        return (
-            f"worker processes would run the main script again: {path} has no "
-            '`if __name__ == "__main__":` guard'
-        )
+        if path is not None:
+            return (
+                f"worker processes would run the main script again: {path} has no "
+                '`if __name__ == "__main__":` guard'
+            )
+        return copies_too_large(found, self.num_workers)
 
     def _check_main(self, context: Any) -> None:
         """Raise at once where no worker could run the job (see :func:`unreachable_main`), rather
