@@ -20,6 +20,7 @@ import sys
 import threading
 import types
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
 
-from torch_spdl import DataLoader, StagedDataset, compat, processes
+from torch_spdl import DataLoader, StagedDataset, compat, inherited, processes
 
 N = 23  # prime: no batch size divides it
 EPOCHS = 2
@@ -644,6 +645,11 @@ def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
     assert child.exitcode == 0  # a stopped server's child would read as 255
 
 
+def start_process(context: Any, job: Any, worker: int, workers: int) -> Any:
+    """One worker process of ``workers``, as a pool starts it (seed 0, no worker_init_fn)."""
+    return processes._start_process(context, inherited.capture(), job, worker, workers, 0, None)
+
+
 def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
     """A worker the server has forked is no child yet until start() returns (multiprocessing
     lists it then). A restart for another loader's modules, in another thread, must not stop the
@@ -662,9 +668,7 @@ def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
     monkeypatch.setattr(multiprocessing.forkserver, "read_signed", held_read)
     started = []
     job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
-    starting = threading.Thread(
-        target=lambda: started.append(processes._start_process(context, job, 0, 1, 0, None))
-    )
+    starting = threading.Thread(target=lambda: started.append(start_process(context, job, 0, 1)))
     starting.start()
     assert forked.wait(10)
     restart = threading.Thread(
@@ -688,7 +692,7 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
     and the error still says SIGKILL."""
     context = processes.start_context(None)
     job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
-    worker = processes._start_process(context, job, 0, 2, 0, None)
+    worker = start_process(context, job, 0, 2)
     os.kill(worker.process.pid, signal.SIGKILL)
     reading, go = threading.Event(), threading.Event()
     read_signed = multiprocessing.forkserver.read_signed
@@ -704,9 +708,7 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
     dying = threading.Thread(target=lambda: errors.append(worker.died()))
     dying.start()
     assert reading.wait(10)
-    starting = threading.Thread(
-        target=lambda: started.append(processes._start_process(context, job, 1, 2, 0, None))
-    )
+    starting = threading.Thread(target=lambda: started.append(start_process(context, job, 1, 2)))
     starting.start()
     starting.join(0.5)  # it waits for the read; one that did not would read the code itself
     go.set()
@@ -898,3 +900,75 @@ def test_the_fork_server_preloads_what_a_worker_unpickles(jpeg_folder):
     preload = processes._forkserver_preload(modules)
     assert preload[0] == "__main__" and "torch_spdl.processes" in preload
     assert set(modules) <= set(preload)
+
+
+# -- what a forked worker would inherit ----------------------------------------------------------
+class ReadsSettings(Dataset):
+    """Each sample reads what a forked worker inherits from the main process: a truncated JPEG
+    through Pillow (it loads only with ``ImageFile.LOAD_TRUNCATED_IMAGES``), the default dtype,
+    and whether a warning the main process silenced is shown."""
+
+    def __init__(self, truncated: bytes) -> None:
+        self.truncated = truncated
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        import io
+
+        with Image.open(io.BytesIO(self.truncated)) as image:
+            image.load()
+            width = image.size[0]
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.warn("silenced by the main process", UserWarning, stacklevel=1)
+        return torch.tensor([float(width + index)]), len(shown)
+
+
+def test_worker_processes_run_with_what_a_forked_worker_would_inherit(monkeypatch, no_child_left):
+    """A fresh worker process imports its modules anew; settings the script made before the
+    loader started (not at import) reach it all the same, as they reach torch's forked workers:
+    samples equal those read here."""
+    import io
+
+    from PIL import ImageFile
+
+    encoded = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(encoded, format="JPEG")
+    truncated = encoded.getvalue()[: len(encoded.getvalue()) * 2 // 3]  # cut in its scan
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="silenced by the main process")
+            dataset = ReadsSettings(truncated)
+            here = [torch.utils.data.default_collate([dataset[0], dataset[1]])]
+            here.append(torch.utils.data.default_collate([dataset[2], dataset[3]]))
+            loader = DataLoader(dataset, batch_size=2, num_workers=2, worker_method="process")
+            got = list(loader)
+    finally:
+        torch.set_default_dtype(dtype)
+    assert [b[1].tolist() for b in here] == [[0, 0], [0, 0]]  # silenced here
+    for (image, shown), (want, silenced) in zip(got, here, strict=True):
+        assert image.dtype == want.dtype == torch.float64 and torch.equal(image, want)
+        assert shown.tolist() == silenced.tolist()
+
+
+def test_the_settings_a_worker_is_given_survive_pickling_and_take_effect():
+    """Filters of every shape warnings holds (compiled, or a plain module name as some tools put
+    there) travel and apply in order; one that cannot travel (a category made here) stays."""
+    local_category = type("LocalWarning", (UserWarning,), {})
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.filterwarnings("ignore", message="first", category=DeprecationWarning)
+        warnings.filters.insert(0, ("error", None, UserWarning, "plain.module", 0))
+        warnings.filters.insert(0, ("ignore", None, local_category, None, 0))
+        settings = pickle.loads(pickle.dumps(inherited.capture()))
+        want = [(f[0], f[2], getattr(f[3], "pattern", f[3])) for f in warnings.filters[1:]]
+        warnings.resetwarnings()
+        inherited.apply(settings)
+        got = [(f[0], f[2], getattr(f[3], "pattern", f[3])) for f in warnings.filters]
+        assert got == want
+        assert warnings.filters[1][1].pattern == "first"

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
+from . import inherited
 from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
 from .compat import (
     MP_STATUS_CHECK_INTERVAL,
@@ -381,6 +382,7 @@ def _write_stack_on_request(pipe: connection.Connection | None) -> None:
 
 
 def _worker_main(
+    settings: inherited.Settings,
     job: Job,
     worker: int,
     num_workers: int,
@@ -392,6 +394,7 @@ def _worker_main(
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone."""
     try:
+        inherited.apply(settings)  # what a forked worker would have had
         set_worker_signal_handlers()
         set_thread_name("pt_data_worker")
         _write_stack_on_request(stack_pipe)
@@ -507,6 +510,7 @@ class _Worker:
 
 def _start_process(
     context: Any,
+    settings: inherited.Settings,
     job: Job,
     worker: int,
     num_workers: int,
@@ -522,7 +526,7 @@ def _start_process(
             util.register_after_fork(end, connection.Connection.close)
     process = context.Process(
         target=_worker_main,
-        args=(job, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
+        args=(settings, job, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
         name=f"torch_spdl-{job.stage}-{worker}",
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
@@ -790,9 +794,10 @@ class ProcessPool:
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
         context = start_context(context, modules_of(job))
+        settings = inherited.capture()  # as they are now, for every worker, replacements too
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
         self._spawn: Callable[[int], _Worker] = lambda worker: _start_process(
-            context, job, worker, num_workers, base_seed, worker_init_fn
+            context, settings, job, worker, num_workers, base_seed, worker_init_fn
         )
         try:
             for worker in range(num_workers):

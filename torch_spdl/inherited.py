@@ -1,0 +1,68 @@
+"""Process-wide settings that torch's forked workers inherit and a fresh worker process must be
+given.
+
+torch's loader forks its workers on Linux, so they run with whatever the main process set before
+the loader started. A worker started from a fork server (or by ``spawn``) imports its modules
+afresh, and a setting made inside the training script's ``main()`` never reaches it. Where
+``"auto"`` moves a stage to such processes mid-run, samples that read on threads would then
+read otherwise: a truncated JPEG that ``ImageFile.LOAD_TRUNCATED_IMAGES = True`` let through
+fails, a large one that ``Image.MAX_IMAGE_PIXELS = None`` allowed raises
+``DecompressionBombError``, tensors made with ``torch.tensor`` take another dtype, and warnings
+the script silenced come back. :func:`capture` takes those settings where the pool starts and
+:func:`apply` sets them in each worker before ``worker_init_fn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Settings:
+    default_dtype: torch.dtype
+    pil: tuple[Any, bool] | None  # Image.MAX_IMAGE_PIXELS and ImageFile.LOAD_TRUNCATED_IMAGES
+    warning_filters: list[Any]  # those that can travel (a category of __main__'s may not)
+
+
+def capture() -> Settings:
+    """This process's settings; Pillow's only where it is imported (nothing is imported here)."""
+    image, image_file = sys.modules.get("PIL.Image"), sys.modules.get("PIL.ImageFile")
+    pil = None
+    if image is not None and image_file is not None:
+        pil = (image.MAX_IMAGE_PIXELS, bool(image_file.LOAD_TRUNCATED_IMAGES))
+    return Settings(torch.get_default_dtype(), pil, [f for f in warnings.filters if _travels(f)])
+
+
+def _travels(value: Any) -> bool:
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:
+        return False
+    return True
+
+
+def apply(settings: Settings) -> None:
+    """Set ``settings`` in this (worker) process."""
+    torch.set_default_dtype(settings.default_dtype)
+    if settings.pil is not None:
+        from PIL import Image, ImageFile
+
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = settings.pil
+    warnings.resetwarnings()
+    for action, message, category, module, lineno in reversed(settings.warning_filters):
+        with contextlib.suppress(Exception):  # one warnings would not take is left out
+            warnings.filterwarnings(  # each goes first: in reverse, they end in their order
+                action, _text(message), category, _text(module), lineno
+            )
+
+
+def _text(pattern: Any) -> str:
+    """A filter's pattern, compiled or not, as ``filterwarnings`` takes it ("" for any)."""
+    return "" if pattern is None else getattr(pattern, "pattern", pattern)
