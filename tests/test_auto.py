@@ -828,7 +828,7 @@ def test_a_stage_that_cannot_move_stays_on_threads_in_the_next_passes(
             got, pids = indices_of(loader)
             assert got == expected and pids == {os.getpid()}
     executor = loader.stats().executor
-    assert "worker processes could not start" in executor and "pickle" in executor, executor
+    assert "worker processes could not start" in executor and "local object" in executor, executor
 
 
 def staged_pair(n: int, persistent: bool) -> tuple[Any, Any]:
