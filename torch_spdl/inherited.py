@@ -26,6 +26,8 @@ import torch
 
 @dataclass(frozen=True)
 class Settings:
+    """The settings :func:`capture` took, as they travel to a worker (pickled)."""
+
     default_dtype: torch.dtype
     pil: tuple[Any, bool] | None  # Image.MAX_IMAGE_PIXELS and ImageFile.LOAD_TRUNCATED_IMAGES
     warning_filters: list[Any]  # those that can travel (a category of __main__'s may not)
