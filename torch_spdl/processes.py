@@ -1056,13 +1056,14 @@ class PoolStarter:
     def __call__(self) -> ProcessPool:
         # torch's warning when worker processes outnumber the CPUs, given where torch gives it
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
-        self._check_main(start_context(self.multiprocessing_context))
+        context = start_context(self.multiprocessing_context, modules_of(self.job))
+        self._check_main(context)
         return ProcessPool(
             self.job,
             self.num_workers,
             base_seed=self.base_seed,
             worker_init_fn=self.worker_init_fn,
-            context=self.multiprocessing_context,
+            context=context,
             pin=self.pin,
         )
 
