@@ -434,10 +434,13 @@ class Raises(Dataset):
 @pytest.fixture
 def decides(monkeypatch):
     """Make ``"auto"`` decide as the test says once its trial ends, whatever it measured: the
-    switch's own behaviour, apart from what a busy test machine measures."""
+    switch's own behaviour, apart from what a busy test machine measures. Told why processes
+    cannot start, it stays on threads, as :func:`decide` does."""
 
     def set_executor(executor: str) -> None:
-        def fixed(measured, **_):
+        def fixed(measured, no_processes=None, **_):
+            if executor == PROCESS and no_processes is not None:
+                return Decision(THREAD, f"the test decided, but {no_processes}", measured)
             return Decision(executor, "the test decided", measured)
 
         monkeypatch.setattr(torch_spdl.iterator, "decide", fixed)
@@ -633,20 +636,14 @@ def test_forked_workers_need_no_main_module(monkeypatch):
 
 @pytest.mark.parametrize("chosen", [PROCESS, THREAD])
 def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processes(
-    monkeypatch, no_leak, chosen
+    monkeypatch, no_leak, decides, chosen
 ):
     """Looking pickles the dataset: only a trial that ends in processes asks, once, and the
     decision taken is kept for the next passes without asking again."""
     from torch_spdl.processes import PoolStarter
 
-    def told(measured, no_processes=None, **_):
-        if no_processes is not None:
-            return Decision(THREAD, f"told, but {no_processes}", measured)
-        return Decision(chosen, "told", measured)
-
     asked = []
-    monkeypatch.setattr(torch_spdl.iterator, "decide", told)
-    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    decides(chosen)
     monkeypatch.setattr(PoolStarter, "unsafe", lambda starter: asked.append(1) or "it says no")
     loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
     assert asked == []  # made, not yet iterated
@@ -654,7 +651,8 @@ def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processe
         assert len(list(loader)) == 250
     assert asked == ([1] if chosen == PROCESS else [])
     assert loader.stats().executor.startswith(
-        "worker_method='auto' chose thread: told" + (", but it says no" if asked else "")
+        "worker_method='auto' chose thread: the test decided"
+        + (", but it says no" if asked else "")
     )
 
 
