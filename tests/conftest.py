@@ -60,3 +60,21 @@ def no_child_left(no_leak):
         process.join()
     assert left == []
     assert child_pids() - before - helper_pids() == set()
+
+
+@pytest.fixture
+def quick_switch(monkeypatch, request):
+    """A fork server already up (a fresh one imports torch, seconds on this machine), and a
+    short pass worth a switch, so that the switch happens within a test's time."""
+    from multiprocessing import forkserver
+
+    from torch_spdl import auto
+    from torch_spdl.processes import start_context
+
+    context = start_context(None, [request.module.__name__])
+    if context.get_start_method() == "forkserver":
+        forkserver.ensure_running()
+        process = context.Process(target=int)
+        process.start()
+        process.join()
+    monkeypatch.setattr(auto, "MIN_REMAINING_S", 0.5)

@@ -125,6 +125,25 @@ def test_a_cheap_gil_bound_batch_runs_inline_where_it_can():
     assert decide(figures, cpus=16, inline_possible=False).executor == PROCESS
 
 
+STATE = "Records sets file on itself as it reads"
+
+
+def test_a_dataset_with_state_goes_to_processes_whatever_the_gil_does():
+    for figures in (measured(), measured(stage_wait=0.5), measured(busy_cores=0.1)):
+        for gil_enabled in (True, False):
+            decision = decide(figures, cpus=16, gil_enabled=gil_enabled, keeps_state=STATE)
+            assert decision.executor == PROCESS and decision.final
+            assert decision.reason == f"{STATE}: worker processes, each with a copy of its own"
+
+
+def test_a_dataset_with_state_that_cannot_move_is_read_in_turns():
+    decision = decide(measured(), keeps_state=STATE, no_processes="it cannot be pickled")
+    assert decision.executor == THREAD and decision.final
+    assert decision.reason.endswith("it cannot be pickled: its threads take turns reading it")
+    short = decide(measured(batch_cpu_ms=1.0), keeps_state=STATE, remaining_tasks=4)
+    assert short.executor == THREAD and not short.final and "too short" in short.reason
+
+
 def test_what_keeps_a_gil_bound_stage_on_threads():
     bound = measured(stage_wait=0.6)
     assert decide(bound, gil_enabled=False, cpus=16).executor == THREAD
@@ -316,23 +335,6 @@ class PythonSamples(Dataset):
         for k in range(self.loop):
             total += k
         return index, os.getpid()
-
-
-@pytest.fixture
-def quick_switch(monkeypatch):
-    """A fork server already up (a fresh one imports torch, seconds on this machine), and a
-    short pass worth a switch, so that the switch happens within a test's time."""
-    from multiprocessing import forkserver
-
-    from torch_spdl.processes import start_context
-
-    context = start_context(None, [__name__])
-    if context.get_start_method() == "forkserver":
-        forkserver.ensure_running()
-        process = context.Process(target=int)
-        process.start()
-        process.join()
-    monkeypatch.setattr(auto, "MIN_REMAINING_S", 0.5)
 
 
 def indices_of(loader) -> tuple[list[list[int]], set[int]]:

@@ -309,7 +309,11 @@ def test_completion_order_skips_exactly_the_batches_received(dataset_type):
         return DataLoader(dataset, batch_size=2, num_workers=2, in_order=False, io_workers=2)
 
     everything = [[i, i + 1] for i in range(0, 12, 2)]
-    loader = make(dataset := dataset_type())
+    dataset = dataset_type()
+    dataset.gate.set()  # a dataset's very first read from worker threads runs alone
+    run(make(dataset))  # (torch_spdl.worker_state): the gated read below is not that one
+    dataset.gate.clear()
+    loader = make(dataset)
     it, taken, state, _ = take(loader, 3)
     dataset.gate.set()
     del it, loader

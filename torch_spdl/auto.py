@@ -23,6 +23,9 @@ on its threads as usual (and delivered as usual), then picks one of three execut
 - **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
   GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
   process costs about as much as the work.
+- **processes** too, whatever the GIL does, for a dataset that sets state on itself as its
+  threads first read it (a handle each of torch's workers would have its own of:
+  :mod:`torch_spdl.worker_state`); where they cannot start, its threads take turns.
 - **threads** otherwise, and always with the GIL off (free-threaded Python), on one core, for a
   stage that cannot move (an unpicklable dataset, an iterable's stream, a script without a main
   guard) and when what is left of the pass is too short to pay for starting processes
@@ -258,9 +261,13 @@ def decide(
     no_processes: str | None = None,
     inline_possible: bool = True,
     remaining_tasks: int | None = None,
+    keeps_state: str | None = None,
 ) -> Decision:
     """The rule (see the module's docstring). ``no_processes`` says why the stage cannot move to
-    processes, if it cannot; ``remaining_tasks`` is what is left of the pass, if known."""
+    processes, if it cannot; ``remaining_tasks`` is what is left of the pass, if known;
+    ``keeps_state`` what the dataset sets on itself as it reads, if it does."""
+    if keeps_state is not None:
+        return _for_state(measured, keeps_state, no_processes, remaining_tasks)
     cpus = cpus or cores()
     if not gil_enabled:
         return Decision(THREAD, "the GIL is off (free-threaded Python)", measured)
@@ -289,10 +296,7 @@ def decide(
         return Decision(THREAD, f"{bound}, but {no_processes}", measured)
     if cpus < 2:
         return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
-    left_s = (
-        None if remaining_tasks is None else remaining_tasks * measured.task_s / measured.workers
-    )
-    if left_s is not None and left_s < MIN_REMAINING_S:
+    if _too_short(measured, remaining_tasks):
         return Decision(
             THREAD,
             f"{bound}, but what is left of this pass is too short to start processes",
@@ -300,6 +304,35 @@ def decide(
             final=False,
         )
     return Decision(PROCESS, f"{bound}: worker processes", measured)
+
+
+def _too_short(measured: Measured, remaining_tasks: int | None) -> bool:
+    """What is left of the pass, at the threads' speed, would not pay for starting processes."""
+    if remaining_tasks is None:
+        return False
+    return remaining_tasks * measured.task_s / measured.workers < MIN_REMAINING_S
+
+
+def _for_state(
+    measured: Measured, keeps_state: str, no_processes: str | None, remaining_tasks: int | None
+) -> Decision:
+    """A dataset with state per worker (:mod:`torch_spdl.worker_state`) is read in processes,
+    each with a copy of its own, whatever the GIL does; where it stays on threads, they take
+    turns reading it."""
+    turns = "its threads take turns reading it"
+    if no_processes is not None:
+        return Decision(THREAD, f"{keeps_state}, but {no_processes}: {turns}", measured)
+    if _too_short(measured, remaining_tasks):
+        return Decision(
+            THREAD,
+            f"{keeps_state}, but what is left of this pass is too short to start processes: "
+            f"{turns}",
+            measured,
+            final=False,
+        )
+    return Decision(
+        PROCESS, f"{keeps_state}: worker processes, each with a copy of its own", measured
+    )
 
 
 @dataclass

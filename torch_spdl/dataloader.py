@@ -36,6 +36,7 @@ from .sampling import (
 from .stats import LoaderStats, StatsProbe
 from .stream_state import is_stateful
 from .thread_safety import thread_safe_view
+from .worker_state import StateWatch, watch
 from .workers import worker_starter
 
 T_co = TypeVar("T_co", covariant=True)
@@ -182,6 +183,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self._check_options()
         self._auto = AutoState()  # what worker_method="auto" decided, for the passes after
+        self._watch: StateWatch | None = None  # made before worker threads first read
         self._cache = self._make_cache()
         self._preloaded = False
         # What the loader's own iterator reads (`_index_sampler`): the samplers torch built, or
@@ -250,6 +252,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.cache_bytes is None and not self.preload:
             return None
         return ByteLRU(self.cache_bytes)
+
+    def _state_watch(self) -> StateWatch:
+        """What watches the dataset's first read from worker threads (:mod:`.worker_state`),
+        made where they first read it; worker processes get the dataset it restores."""
+        if self._watch is None:
+            self._watch = watch(self.dataset)
+        return self._watch
 
     def _plan(self, iterator: _ThreadDataLoaderIter, moved: bool = False) -> Plan:
         """The next pass's plan (:mod:`torch_spdl.plan`), from the options, torch's arguments as

@@ -289,14 +289,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._plan.copies:
             return self._on_copies(pool), start
         self._make_source = fetch_tasks
+        if pool is None:
+            read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+            # worker threads read one object: what it sets on itself, they share (worker_state)
+            fetch = loader._state_watch().guard(read, serial=loader.worker_method == AUTO)
         return self._cpu_stage(
-            loader,
-            batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
-            if pool is None
-            else pool.fetch,
-            start,
-            "fetch",
-            tasks_per_batch=1,
+            loader, fetch if pool is None else pool.fetch, start, "fetch", tasks_per_batch=1
         )
 
     def _on_copies(self, pool: ProcessPool | None) -> Callable[[CopyTask], Any]:
@@ -392,6 +390,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             total: int | None = len(self._index_sampler) * tasks_per_batch
         except TypeError:
             total = None
+        watch = loader._watch if self._plan.hooks is None and not self._plan.copies else None
 
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
@@ -402,6 +401,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 gil_enabled=gil.gil_enabled(),
                 inline_possible=inline_possible,
                 remaining_tasks=remaining,
+                keeps_state=None if watch is None else watch.describe(),
             )
             decision = rule(no_processes=budget)
             if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look

@@ -50,7 +50,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from multiprocessing import connection, util
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -85,6 +85,7 @@ from .workers import set_process_worker_info, worker_info
 
 if TYPE_CHECKING:
     from .plan import Plan
+    from .worker_state import StateWatch
 
 WORKER_METHODS = ("auto", "thread", "process", "multiprocessing")
 PROCESS_WORKER_METHOD = "multiprocessing"
@@ -1022,6 +1023,7 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
     """
     auto, collate = iterator._auto_collation, iterator._collate_fn
     plan = plan or iterator._plan
+    watch: StateWatch | None = None
     if is_iterable(iterator._dataset):
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
@@ -1030,6 +1032,7 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
     elif plan.hooks is None:
         job = FetchJob(loader.dataset, auto, collate, records=plan.copies)
+        watch = None if plan.copies else loader._watch
     else:
         job = PreprocessJob(plan.hooks.preprocess, loader.dataset)
     return PoolStarter(
@@ -1039,6 +1042,7 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         loader.worker_init_fn,
         loader.multiprocessing_context,
         iterator._pinner(),
+        watch,
     )
 
 
@@ -1052,14 +1056,24 @@ class PoolStarter:
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
     pin: Callable[[Any], Any] | None
+    # a FetchJob's dataset as worker threads read it: the workers get it as it was before
+    watch: StateWatch | None = None
+
+    def _job(self) -> Job:
+        """The job, its dataset as it was before worker threads set state on it, if they did
+        (:meth:`StateWatch.pristine`): each worker opens its own, as torch's do."""
+        if self.watch is None or not self.watch.keeps_state:
+            return self.job
+        return replace(self.job, dataset=self.watch.pristine())
 
     def __call__(self) -> ProcessPool:
         # torch's warning when worker processes outnumber the CPUs, given where torch gives it
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
-        context = start_context(self.multiprocessing_context, modules_of(self.job))
-        self._check_main(context)
+        job = self._job()
+        context = start_context(self.multiprocessing_context, modules_of(job))
+        self._check_main(context, job)
         return ProcessPool(
-            self.job,
+            job,
             self.num_workers,
             base_seed=self.base_seed,
             worker_init_fn=self.worker_init_fn,
@@ -1075,8 +1089,12 @@ class PoolStarter:
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
             return None
-        found = contents(self.job)
-        reason = unreachable_main(self.job, found)
+        try:
+            job = self._job()
+        except TypeError as error:  # the dataset cannot be copied as it was
+            return str(error)
+        found = contents(job)
+        reason = unreachable_main(job, found)
         if reason is not None:
             return reason
         path = unguarded_main()
@@ -1087,12 +1105,12 @@ class PoolStarter:
             )
         return copies_too_large(found, self.num_workers)
 
-    def _check_main(self, context: Any) -> None:
-        """Raise at once where no worker could run the job (see :func:`unreachable_main`), rather
+    def _check_main(self, context: Any, job: Job) -> None:
+        """Raise at once where no worker could run ``job`` (see :func:`unreachable_main`), rather
         than fail every batch with a dead worker; torch's default ``fork`` meets no such case."""
         if context.get_start_method() == "fork":
             return
-        reason = unreachable_main(self.job)
+        reason = unreachable_main(job)
         if reason is not None:
             raise RuntimeError(
                 f"worker_method='process' cannot start its workers by "

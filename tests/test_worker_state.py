@@ -1,0 +1,297 @@
+"""A dataset that sets state on itself as worker threads read it (a file opened on its first
+``__getitem__``, as torch's docs suggest for HDF5): its first read runs alone, ``"auto"`` reads it
+in worker processes, each given the dataset as it was before, and the samples equal torch's."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import struct
+import threading
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+from torch.utils.data import ConcatDataset, Dataset, StackDataset, Subset
+
+import torch_spdl
+from torch_spdl import auto, worker_state
+from torch_spdl.auto import PROCESS, THREAD
+from torch_spdl.worker_state import StateWatch, watch
+
+RECORD = 4096  # bytes: the record's index, 512 times
+
+
+def write_records(path: Any, n: int) -> str:
+    with open(path, "wb") as out:
+        for index in range(n):
+            out.write(struct.pack("<q", index) * (RECORD // 8))
+    return str(path)
+
+
+class Records(Dataset):
+    """Record ``i`` read by ``seek`` then ``read`` from a file opened on the first read; the
+    pause between the two is where another thread's ``seek`` moves a shared file."""
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path, self.n, self.file = path, n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if self.file is None:
+            self.file = open(self.path, "rb")  # noqa: SIM115 (kept, as a dataset keeps it)
+        self.file.seek(index * RECORD)
+        time.sleep(0.0002)
+        (found,) = struct.unpack_from("<q", self.file.read(RECORD))
+        return found
+
+    def __del__(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class UnpicklableRecords(Records):
+    def __init__(self, path: str, n: int) -> None:
+        super().__init__(path, n)
+        self.key = lambda index: index  # a worker process cannot be given it
+
+
+def open_in_worker(worker_id: int) -> None:
+    """torch's way to give each worker a handle of its own: on its copy of the dataset."""
+    dataset = tud.get_worker_info().dataset
+    dataset.file = open(dataset.path, "rb")  # noqa: SIM115
+
+
+@pytest.fixture
+def records(tmp_path) -> str:
+    return write_records(tmp_path / "records.bin", 512)
+
+
+@pytest.fixture
+def moves(quick_switch, monkeypatch):
+    """``"auto"`` decides after its least tasks and steps, and moves whatever is left."""
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    monkeypatch.setattr(auto, "MIN_REMAINING_S", 0.0)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def torchs(dataset: Dataset, **kwargs: Any) -> list[int]:
+    return torch.cat(list(tud.DataLoader(dataset, batch_size=16, **kwargs))).tolist()
+
+
+def ours(loader: torch_spdl.DataLoader) -> list[int]:
+    return torch.cat(list(loader)).tolist()
+
+
+# -- the watch ----------------------------------------------------------------------------------
+class Counting(Dataset):
+    def __init__(self) -> None:
+        self.reads, self.cache, self.handle = 0, {}, None
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        self.reads += 1  # a plain number: not a handle
+        self.cache[index] = index  # the same dict: shared as it was
+        return index
+
+
+class Opening(Counting):
+    def __getitem__(self, index: int) -> int:
+        if self.handle is None:
+            self.handle = object()
+        return super().__getitem__(index)
+
+
+def read_first(dataset: Any, index: int = 0) -> StateWatch:
+    found = StateWatch(dataset)
+    found.guard(lambda index: dataset[index], serial=True)(index)
+    return found
+
+
+def test_a_handle_set_on_the_first_read_is_state_a_counter_is_not():
+    assert read_first(Counting()).describe() is None
+    described = read_first(Opening()).describe()
+    assert described == "Opening sets handle on itself as it reads"
+
+
+def test_state_is_found_in_the_datasets_a_dataset_wraps():
+    inner = Opening()
+    assert "Opening sets handle" in read_first(Subset(inner, [0, 1])).describe()
+    assert "Opening sets handle" in read_first(ConcatDataset([Counting(), Opening()]), 8).describe()
+    stacked = StackDataset(a=Counting(), b=Opening())
+    assert "Opening sets handle" in read_first(stacked).describe()
+
+
+def test_workers_get_copies_with_the_state_as_it_was_and_the_dataset_keeps_its_own():
+    inner = Opening()
+    subset = Subset(inner, [0, 1, 2])
+    found = read_first(subset)
+    handle = inner.handle
+    pristine = found.pristine()
+    assert pristine is not subset and pristine.dataset is not inner
+    assert pristine.dataset.handle is None and pristine.indices is subset.indices
+    assert pristine.dataset.cache is inner.cache  # shallow: only what it set goes back
+    assert subset.dataset is inner and inner.handle is handle  # the originals as they are
+
+
+def test_a_dataset_without_state_goes_to_workers_as_it_is():
+    dataset = Subset(Counting(), [0, 1])
+    assert read_first(dataset).pristine() is dataset
+
+
+def test_an_attribute_the_first_read_adds_is_removed_in_the_workers_copy():
+    class Adding(Counting):
+        def __getitem__(self, index: int) -> int:
+            self.opened = object()
+            return index
+
+    dataset = Adding()
+    pristine = read_first(dataset).pristine()
+    assert not hasattr(pristine, "opened") and hasattr(dataset, "opened")
+
+
+def test_the_first_read_runs_alone_then_reads_run_at_once():
+    spans: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    both = threading.Barrier(2, timeout=10)
+
+    def read(index: int) -> int:
+        begin = time.perf_counter()
+        if index == 0:
+            time.sleep(0.05)  # every other thread tries to read meanwhile
+        elif index >= 10:
+            both.wait()  # after the first read, two reads at once (else BrokenBarrierError)
+        with lock:
+            spans.append((begin, time.perf_counter()))
+        return index
+
+    dataset = Counting()
+    guarded = StateWatch(dataset).guard(read, serial=True)
+    first = threading.Thread(target=guarded, args=(0,))
+    first.start()
+    time.sleep(0.01)
+    others = [threading.Thread(target=guarded, args=(index,)) for index in (1, 2, 3)]
+    for thread in others:
+        thread.start()
+    first.join()
+    for thread in others:
+        thread.join()
+    (first_begin, first_end), *rest = sorted(spans)
+    assert all(begin >= first_end for begin, _ in rest)  # none began before the first ended
+    pair = [threading.Thread(target=guarded, args=(index,)) for index in (10, 11)]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join()
+    assert len(spans) == 6 and not both.broken
+
+
+def test_one_watch_per_dataset_forgotten_with_it():
+    dataset = Counting()
+    assert watch(dataset) is watch(dataset)
+    key = id(dataset)
+    del dataset
+    gc.collect()
+    assert key not in worker_state._watches
+
+
+def test_a_dataset_that_cannot_be_hashed_is_watched_too():
+    @dataclasses.dataclass
+    class Unhashable(Opening):  # eq=True: __hash__ is None
+        size: int = 8
+
+        def __post_init__(self) -> None:
+            Opening.__init__(self)
+
+    dataset = Unhashable()
+    found = watch(dataset)
+    assert found is watch(dataset)
+    found.guard(lambda index: dataset[index], serial=True)(0)
+    assert "Unhashable sets handle" in found.describe()
+
+
+# -- end to end ---------------------------------------------------------------------------------
+def test_auto_reads_a_dataset_with_state_in_processes_with_torchs_samples(
+    records, moves, no_child_left
+):
+    dataset = Records(records, 512)
+    loader = torch_spdl.DataLoader(dataset, batch_size=16, num_workers=2)
+    assert ours(loader) == torchs(Records(records, 512)) == list(range(512))
+    decision = loader._auto.decision
+    assert decision is not None and decision.executor == PROCESS
+    assert "Records sets file on itself as it reads: worker processes" in decision.reason
+    assert ours(loader) == list(range(512))  # the next pass starts in processes
+
+
+def test_auto_reads_a_dataset_with_state_in_turns_where_processes_cannot_start(
+    records, moves, no_child_left
+):
+    dataset = UnpicklableRecords(records, 512)
+    loader = torch_spdl.DataLoader(
+        dataset, batch_size=16, num_workers=4, shuffle=True, generator=seeded(0)
+    )
+    generator = seeded(0)  # torch reads its own: what the main thread opens, threads share
+    expected = [torchs(Records(records, 512), shuffle=True, generator=generator) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the processes could not start: said so
+        assert [ours(loader) for _ in range(2)] == expected
+    decision = loader._auto.decision
+    assert decision is not None and decision.executor == THREAD
+
+
+def test_a_second_loader_over_the_same_dataset_knows_its_state(records, no_child_left, monkeypatch):
+    monkeypatch.setattr(auto, "MIN_REMAINING_S", 1e9)  # stays on threads: in turns
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    dataset = Records(records, 512)
+    for _ in range(2):  # the first loader's threads opened the file the second one reads
+        loader = torch_spdl.DataLoader(
+            dataset, batch_size=16, num_workers=4, shuffle=True, generator=seeded(0)
+        )
+        assert ours(loader) == torchs(Records(records, 512), shuffle=True, generator=seeded(0))
+        assert "take turns reading it" in loader.stats().executor
+
+
+def test_state_a_worker_init_fn_opens_is_found_too(records, moves, no_child_left):
+    dataset = Records(records, 512)
+    loader = torch_spdl.DataLoader(
+        dataset, batch_size=16, num_workers=2, worker_init_fn=open_in_worker
+    )
+    expected = torchs(Records(records, 512), num_workers=2, worker_init_fn=open_in_worker)
+    assert ours(loader) == expected
+    assert loader._auto.decision.executor == PROCESS
+
+
+def test_threads_asked_for_read_it_at_once_and_warn(records, no_leak):
+    dataset = Records(records, 64)
+    loader = torch_spdl.DataLoader(dataset, batch_size=16, num_workers=2, worker_method="thread")
+    with pytest.warns(UserWarning, match="Records sets file on itself as it reads: its worker"):
+        list(loader)
+
+
+class Unrestorable(Opening):
+    def __len__(self) -> int:
+        return 64  # batches enough for the trial to end within the pass
+
+    def __copy__(self) -> Unrestorable:
+        return self  # one object for every worker: it cannot be given as it was
+
+
+def test_a_dataset_that_cannot_be_copied_as_it_was_stays_on_threads_and_says_why(
+    records, moves, no_child_left
+):
+    dataset = Unrestorable()
+    loader = torch_spdl.DataLoader(dataset, batch_size=2, num_workers=2)
+    assert ours(loader) == list(range(64))
+    decision = loader._auto.decision
+    assert decision is not None and decision.executor == THREAD
+    assert "Unrestorable cannot be copied" in decision.reason

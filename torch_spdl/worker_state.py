@@ -1,0 +1,237 @@
+"""A map-style dataset that sets attributes on itself as its worker threads read it.
+
+Each of torch's worker processes reads a copy of its own, so a dataset may keep state per worker
+on ``self``: a file it opens on its first ``__getitem__`` (what torch's documentation suggests for
+an HDF5 or LMDB handle), or one that ``worker_init_fn`` opens on ``get_worker_info().dataset``.
+Worker threads share one dataset object, and so its state: two threads that ``seek`` then
+``read`` one file read each other's samples without an error, and LMDB must not be opened twice
+in one process.
+
+:class:`StateWatch` keeps that safe. It notes the attributes of the dataset, and of the datasets
+it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), before the worker threads start. The
+first read runs alone, the other threads waiting for it, so what a dataset opens on its first
+read is opened once; then it compares. A dataset whose attributes now hold other objects (plain
+numbers and strings aside: a counter is no handle) keeps state per worker. Under ``"auto"`` its
+reads then take turns, and it moves to worker processes, each given the dataset as it was before
+(:meth:`StateWatch.pristine`), as torch's are; under ``"thread"`` a warning names the attributes.
+Only the first read is watched: state a dataset sets on a later read is not seen.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from torch.utils.data import Dataset
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_GONE = object()  # an attribute that is not there
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _attributes(obj: Any) -> dict[str, Any] | None:
+    try:
+        state = vars(obj)
+    except TypeError:  # no __dict__ (__slots__, a builtin)
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _wrapped(state: dict[str, Any]) -> Iterator[Any]:
+    """The datasets an object's attributes hold: directly, or in a list, tuple or dict of them."""
+    for value in state.values():
+        if isinstance(value, Dataset):
+            yield value
+        elif isinstance(value, (list, tuple, dict)) and value:
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(next(iter(items)), Dataset):
+                yield from (item for item in items if isinstance(item, Dataset))
+
+
+def _datasets(dataset: Any) -> dict[int, tuple[Any, dict[str, Any]]]:
+    """``dataset`` and every dataset it wraps, each with a copy of its attributes, by ``id``."""
+    found: dict[int, tuple[Any, dict[str, Any]]] = {}
+    todo = [dataset]
+    while todo:
+        obj = todo.pop()
+        state = _attributes(obj)
+        if id(obj) in found or state is None:
+            continue
+        found[id(obj)] = (obj, dict(state))
+        todo.extend(_wrapped(state))
+    return found
+
+
+def _changed(before: dict[str, Any], now: dict[str, Any]) -> tuple[str, ...]:
+    """The attributes rebound, added or removed since ``before``, less those now plain values."""
+    names = before.keys() | now.keys()
+    return tuple(
+        sorted(
+            name
+            for name in names
+            if now.get(name, _GONE) is not before.get(name, _GONE)
+            and not isinstance(now.get(name, _GONE), _PLAIN)
+        )
+    )
+
+
+class StateWatch:
+    """Watches the first read of a dataset from worker threads for state it sets on itself
+    (see the module's docstring); one per dataset (:func:`watch`), made before its worker
+    threads first read it. It holds the dataset weakly, and after that read only what the
+    dataset set and the values it replaced."""
+
+    def __init__(self, dataset: Any) -> None:
+        try:
+            self._dataset: Callable[[], Any] = weakref.ref(dataset)
+        except TypeError:  # not weakly referable: the loader's own watch
+            self._dataset = lambda: dataset
+        root = id(dataset)
+        # each object's attributes before the first read; the dataset's own slot is empty (weak)
+        self._before: dict[int, tuple[Any, dict[str, Any]]] = {
+            key: (None if key == root else obj, state)
+            for key, (obj, state) in _datasets(dataset).items()
+        }
+        self._turn = threading.Lock()
+        self._settled = False  # the first read has returned (or raised)
+        self._state: dict[int, tuple[str, dict[str, Any]]] = {}  # by id: type, names: before
+        self._warned = False
+
+    @property
+    def keeps_state(self) -> bool:
+        return bool(self._state)
+
+    def describe(self) -> str | None:
+        """What the dataset sets on itself as it reads, or None."""
+        if not self._state:
+            return None
+        parts = [
+            f"{kind} sets {', '.join(names)} on itself" for kind, names in self._state.values()
+        ]
+        return f"{'; '.join(parts)} as it reads"
+
+    def guard(self, read: Callable[[T], R], *, serial: bool) -> Callable[[T], R]:
+        """``read`` for the worker threads: the first call alone, then all at once; where the
+        dataset keeps state, one at a time if ``serial`` (``"auto"``), else with a warning."""
+
+        def guarded(task: T) -> R:
+            if self._settled and not (serial and self._state):
+                return read(task)
+            with self._turn:
+                try:
+                    return read(task)
+                finally:
+                    if not self._settled:
+                        self._settle()
+                    if self._state and not serial:
+                        self._warn()
+
+        return guarded
+
+    def _settle(self) -> None:
+        dataset = self._dataset()
+        for key, (obj, before) in self._before.items():
+            obj = dataset if obj is None else obj
+            now = _attributes(obj)
+            if now is None:  # the dataset is gone: nothing reads it any more
+                continue
+            names = _changed(before, now)
+            if names:
+                kept = {name: before.get(name, _GONE) for name in names}
+                self._state[key] = (type(obj).__name__, kept)
+        self._before = {}  # the values the dataset still holds, or has replaced since
+        self._settled = True
+
+    def _warn(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"{self.describe()}: its worker threads share one dataset object, and so what it "
+            "sets, where each of torch's worker processes has a copy of its own. A handle that "
+            "is not safe to share between threads (a file read by seek and read, a tarfile) "
+            "then reads other samples' data. Keep it in a threading.local(), or pass "
+            "worker_method='auto' or 'process' to read this dataset in processes.",
+            stacklevel=3,
+        )
+
+    def pristine(self) -> Any:
+        """The dataset as it was before its threads read it, for worker processes: a copy of
+        each dataset on the way to one that set state, with those attributes as they were; the
+        dataset itself where none did."""
+        return self._restore(self._dataset(), {})
+
+    def _restore(self, obj: Any, done: dict[int, Any]) -> Any:
+        if id(obj) in done:
+            return done[id(obj)]
+        done[id(obj)] = obj  # a cycle back to obj meets obj itself
+        state = _attributes(obj)
+        if state is None:
+            return obj
+        children = {name: self._restore_value(value, done) for name, value in state.items()}
+        moved = {name: value for name, value in children.items() if value is not state[name]}
+        _, kept = self._state.get(id(obj), ("", {}))
+        if not moved and not kept:
+            return obj
+        own = copy.copy(obj)
+        own_state = _attributes(own)
+        if own is obj or own_state is None:
+            raise TypeError(
+                f"{type(obj).__name__} cannot be copied to give worker processes the dataset as "
+                "it was before its worker threads read it"
+            )
+        own_state.update(moved)
+        for name, value in kept.items():
+            if value is _GONE:
+                own_state.pop(name, None)
+            else:
+                own_state[name] = value
+        done[id(obj)] = own
+        return own
+
+    def _restore_value(self, value: Any, done: dict[int, Any]) -> Any:
+        """``value`` with the datasets it holds restored (:meth:`_restore`), itself if none is."""
+        if isinstance(value, Dataset):
+            return self._restore(value, done)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Dataset):
+            items = [self._restore(item, done) for item in value]
+            same = all(a is b for a, b in zip(items, value, strict=True))
+            return value if same else type(value)(items)
+        if isinstance(value, dict) and value and isinstance(next(iter(value.values())), Dataset):
+            restored = {key: self._restore(item, done) for key, item in value.items()}
+            return value if all(restored[k] is value[k] for k in value) else restored
+        return value
+
+
+_watches: dict[int, StateWatch] = {}  # by id of a live dataset
+_watches_lock = threading.Lock()
+
+
+def watch(dataset: Any) -> StateWatch:
+    """The dataset's :class:`StateWatch`, one for all its loaders: the first one's threads may
+    have set its state, and a loader made after that must still know it. It is forgotten with
+    the dataset; a dataset that cannot be referenced weakly gets a new one each time."""
+    key = id(dataset)
+    with _watches_lock:
+        found = _watches.get(key)
+        if found is not None and found._dataset() is dataset:
+            return found
+        made = StateWatch(dataset)
+        try:
+            weakref.finalize(dataset, _forget, key, made)
+        except TypeError:
+            return made
+        _watches[key] = made
+        return made
+
+
+def _forget(key: int, made: StateWatch) -> None:
+    with _watches_lock:
+        if _watches.get(key) is made:
+            del _watches[key]
