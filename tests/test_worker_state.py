@@ -295,3 +295,36 @@ def test_a_dataset_that_cannot_be_copied_as_it_was_stays_on_threads_and_says_why
     decision = loader._auto.decision
     assert decision is not None and decision.executor == THREAD
     assert "Unrestorable cannot be copied" in decision.reason
+
+
+class Reseeding(Counting):
+    """A sample that repeats: its noise drawn from torch's global generator seeded by its index."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        torch.manual_seed(index)
+        return torch.rand(4)
+
+
+def test_a_dataset_that_seeds_torchs_global_generator_keeps_state():
+    seed = torch.initial_seed()
+    try:
+        found = read_first(Reseeding(), 3)
+    finally:
+        torch.manual_seed(seed)
+    assert found.keeps_state and found.pristine() is found._dataset()
+    assert found.describe() == "Reseeding seeds torch's global generator as it reads"
+    assert read_first(Opening()).keeps_state and not read_first(Counting()).keeps_state
+
+
+def test_a_dataset_that_seeds_torchs_generator_is_read_in_processes_with_torchs_samples(
+    moves, no_child_left
+):
+    dataset = Reseeding()
+    loader = torch_spdl.DataLoader(dataset, batch_size=2, num_workers=2)
+    assert torch.equal(torch.cat(list(loader)), torch.cat(list(tud.DataLoader(dataset, 2))))
+    decision = loader._auto.decision
+    assert decision is not None and decision.executor == PROCESS
+    assert decision.reason.startswith("Reseeding seeds torch's global generator as it reads")

@@ -11,7 +11,9 @@ in one process.
 it wraps (``Subset.dataset``, ``ConcatDataset.datasets``), before the worker threads start. The
 first read runs alone, the other threads waiting for it, so what a dataset opens on its first
 read is opened once; then it compares. A dataset whose attributes now hold other objects (plain
-numbers and strings aside: a counter is no handle) keeps state per worker. Under ``"auto"`` its
+numbers and strings aside: a counter is no handle) keeps state per worker, and so does one that
+seeds torch's global generator (``torch.manual_seed`` per sample, for augmentations that repeat:
+threads would reset each other's seeds and the training loop's). Under ``"auto"`` its
 reads then take turns, and it moves to worker processes, each given the dataset as it was before
 (:meth:`StateWatch.pristine`), as torch's are; under ``"thread"`` a warning names the attributes.
 Only the first read is watched: state a dataset sets on a later read is not seen.
@@ -26,6 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import Dataset
 
 T = TypeVar("T")
@@ -93,6 +96,7 @@ class StateWatch:
         except TypeError:  # not weakly referable: the loader's own watch
             self._dataset = lambda: dataset
         root = id(dataset)
+        self._kind = type(dataset).__name__
         # each object's attributes before the first read; the dataset's own slot is empty (weak)
         self._before: dict[int, tuple[Any, dict[str, Any]]] = {
             key: (None if key == root else obj, state)
@@ -101,19 +105,22 @@ class StateWatch:
         self._turn = threading.Lock()
         self._settled = False  # the first read has returned (or raised)
         self._state: dict[int, tuple[str, dict[str, Any]]] = {}  # by id: type, names: before
+        self._reseeds = False  # the first read seeded torch's global generator
         self._warned = False
 
     @property
     def keeps_state(self) -> bool:
-        return bool(self._state)
+        return bool(self._state) or self._reseeds
 
     def describe(self) -> str | None:
         """What the dataset sets on itself as it reads, or None."""
-        if not self._state:
+        if not self.keeps_state:
             return None
         parts = [
             f"{kind} sets {', '.join(names)} on itself" for kind, names in self._state.values()
         ]
+        if self._reseeds:
+            parts.append(f"{self._kind} seeds torch's global generator")
         return f"{'; '.join(parts)} as it reads"
 
     def guard(self, read: Callable[[T], R], *, serial: bool) -> Callable[[T], R]:
@@ -121,20 +128,22 @@ class StateWatch:
         dataset keeps state, one at a time if ``serial`` (``"auto"``), else with a warning."""
 
         def guarded(task: T) -> R:
-            if self._settled and not (serial and self._state):
+            if self._settled and not (serial and self.keeps_state):
                 return read(task)
             with self._turn:
+                seed = torch.initial_seed()  # changed by torch.manual_seed, not by drawing
                 try:
                     return read(task)
                 finally:
                     if not self._settled:
-                        self._settle()
-                    if self._state and not serial:
+                        self._settle(seed)
+                    if self.keeps_state and not serial:
                         self._warn()
 
         return guarded
 
-    def _settle(self) -> None:
+    def _settle(self, seed: int) -> None:
+        self._reseeds = torch.initial_seed() != seed
         dataset = self._dataset()
         for key, (obj, before) in self._before.items():
             obj = dataset if obj is None else obj
@@ -153,11 +162,13 @@ class StateWatch:
             return
         self._warned = True
         warnings.warn(
-            f"{self.describe()}: its worker threads share one dataset object, and so what it "
-            "sets, where each of torch's worker processes has a copy of its own. A handle that "
-            "is not safe to share between threads (a file read by seek and read, a tarfile) "
-            "then reads other samples' data. Keep it in a threading.local(), or pass "
-            "worker_method='auto' or 'process' to read this dataset in processes.",
+            f"{self.describe()}: its worker threads share one dataset object and one global "
+            "generator, and so what it sets, where each of torch's worker processes has its "
+            "own. A handle that is not safe to share between threads (a file read by seek and "
+            "read, a tarfile) then reads other samples' data, and a seed set for one sample is "
+            "reset by the others. Keep handles in a threading.local() and draw from a "
+            "torch.Generator of your own, or pass worker_method='auto' or 'process' to read "
+            "this dataset in processes.",
             stacklevel=3,
         )
 
