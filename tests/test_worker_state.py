@@ -308,19 +308,24 @@ class Reseeding(Counting):
         return torch.rand(4)
 
 
-def test_a_dataset_that_seeds_torchs_global_generator_keeps_state():
-    seed = torch.initial_seed()
-    try:
-        found = read_first(Reseeding(), 3)
-    finally:
-        torch.manual_seed(seed)
+@pytest.fixture
+def unseen_seed():
+    """torch's global seed none of Reseeding's indices equals (a seed set to the one it replaces
+    is not seen), and the generator as it was after the test."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1_000_003)
+        yield
+
+
+def test_a_dataset_that_seeds_torchs_global_generator_keeps_state(unseen_seed):
+    found = read_first(Reseeding(), 3)
     assert found.keeps_state and found.pristine() is found._dataset()
     assert found.describe() == "Reseeding seeds torch's global generator as it reads"
     assert read_first(Opening()).keeps_state and not read_first(Counting()).keeps_state
 
 
 def test_a_dataset_that_seeds_torchs_generator_is_read_in_processes_with_torchs_samples(
-    moves, no_child_left
+    moves, no_child_left, unseen_seed
 ):
     dataset = Reseeding()
     loader = torch_spdl.DataLoader(dataset, batch_size=2, num_workers=2)

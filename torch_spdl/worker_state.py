@@ -16,7 +16,8 @@ seeds torch's global generator (``torch.manual_seed`` per sample, for augmentati
 threads would reset each other's seeds and the training loop's). Under ``"auto"`` its
 reads then take turns, and it moves to worker processes, each given the dataset as it was before
 (:meth:`StateWatch.pristine`), as torch's are; under ``"thread"`` a warning names the attributes.
-Only the first read is watched: state a dataset sets on a later read is not seen.
+Only the first read is watched: state a dataset sets on a later read is not seen, nor a seed
+equal to the one it replaced.
 """
 
 from __future__ import annotations
