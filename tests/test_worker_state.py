@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -333,3 +334,29 @@ def test_a_dataset_that_seeds_torchs_generator_is_read_in_processes_with_torchs_
     decision = loader._auto.decision
     assert decision is not None and decision.executor == PROCESS
     assert decision.reason.startswith("Reseeding seeds torch's global generator as it reads")
+
+
+def test_a_dataset_collected_while_another_is_watched_is_forgotten(monkeypatch):
+    class Cyclic(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.me = self  # freed only by a collection, which may come at any allocation
+
+    dead = Cyclic()
+    old = watch(dead)  # unsettled: it holds what it noted weakly, and so not the dataset
+    key, alive = id(dead), weakref.ref(dead)
+    del dead
+    notes = worker_state._datasets
+
+    def collecting(dataset: Any) -> Any:
+        gc.collect()  # the collection comes inside watch(), as an allocation may bring it
+        return notes(dataset)
+
+    monkeypatch.setattr(worker_state, "_datasets", collecting)
+    done: list[StateWatch] = []
+    thread = threading.Thread(target=lambda: done.append(watch(Counting())), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert done, "watch() waited for itself: the collection's _forget took its lock"
+    assert alive() is None
+    assert worker_state._watches.get(key) is not old  # gone, or a new dataset's at its address

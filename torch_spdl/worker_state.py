@@ -36,6 +36,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _GONE = object()  # an attribute that is not there
+_DEAD = object()  # a value held weakly that is gone
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
@@ -58,28 +59,54 @@ def _wrapped(state: dict[str, Any]) -> Iterator[Any]:
                 yield from (item for item in items if isinstance(item, Dataset))
 
 
-def _datasets(dataset: Any) -> dict[int, tuple[Any, dict[str, Any]]]:
-    """``dataset`` and every dataset it wraps, each with a copy of its attributes, by ``id``."""
-    found: dict[int, tuple[Any, dict[str, Any]]] = {}
+class _Noted:
+    """A value as it was, held weakly where it can be: a watch held by the registry must not
+    keep its dataset alive through a value that refers back to it (``self.fn = self.method``)."""
+
+    __slots__ = ("_id", "_get", "_weak")
+
+    def __init__(self, value: Any) -> None:
+        self._id = id(value)
+        try:
+            self._get: Callable[[], Any] = weakref.ref(value)
+            self._weak = True
+        except TypeError:  # None, numbers, strings, containers: they hold no dataset
+            self._get = lambda: value
+            self._weak = False
+
+    def holds(self, value: Any) -> bool:
+        return id(value) == self._id and self._get() is value
+
+    def value(self) -> Any:
+        """The value (:data:`_GONE` for an attribute that was not there), or :data:`_DEAD`
+        where it was held weakly and is gone."""
+        found = self._get()
+        return _DEAD if self._weak and found is None else found
+
+
+def _datasets(dataset: Any) -> dict[int, tuple[_Noted, dict[str, _Noted]]]:
+    """``dataset`` and every dataset it wraps, each with its attributes, noted, by ``id``."""
+    found: dict[int, tuple[_Noted, dict[str, _Noted]]] = {}
     todo = [dataset]
     while todo:
         obj = todo.pop()
         state = _attributes(obj)
         if id(obj) in found or state is None:
             continue
-        found[id(obj)] = (obj, dict(state))
+        found[id(obj)] = (_Noted(obj), {name: _Noted(value) for name, value in state.items()})
         todo.extend(_wrapped(state))
     return found
 
 
-def _changed(before: dict[str, Any], now: dict[str, Any]) -> tuple[str, ...]:
+def _changed(before: dict[str, _Noted], now: dict[str, Any]) -> tuple[str, ...]:
     """The attributes rebound, added or removed since ``before``, less those now plain values."""
+    gone = _Noted(_GONE)
     names = before.keys() | now.keys()
     return tuple(
         sorted(
             name
             for name in names
-            if now.get(name, _GONE) is not before.get(name, _GONE)
+            if not before.get(name, gone).holds(now.get(name, _GONE))
             and not isinstance(now.get(name, _GONE), _PLAIN)
         )
     )
@@ -96,16 +123,11 @@ class StateWatch:
             self._dataset: Callable[[], Any] = weakref.ref(dataset)
         except TypeError:  # not weakly referable: the loader's own watch
             self._dataset = lambda: dataset
-        root = id(dataset)
         self._kind = type(dataset).__name__
-        # each object's attributes before the first read; the dataset's own slot is empty (weak)
-        self._before: dict[int, tuple[Any, dict[str, Any]]] = {
-            key: (None if key == root else obj, state)
-            for key, (obj, state) in _datasets(dataset).items()
-        }
+        self._before = _datasets(dataset)  # each object's attributes before the first read
         self._turn = threading.Lock()
         self._settled = False  # the first read has returned (or raised)
-        self._state: dict[int, tuple[str, dict[str, Any]]] = {}  # by id: type, names: before
+        self._state: dict[int, tuple[str, dict[str, _Noted]]] = {}  # by id: type, names: before
         self._reseeds = False  # the first read seeded torch's global generator
         self._warned = False
 
@@ -145,17 +167,16 @@ class StateWatch:
 
     def _settle(self, seed: int) -> None:
         self._reseeds = torch.initial_seed() != seed
-        dataset = self._dataset()
-        for key, (obj, before) in self._before.items():
-            obj = dataset if obj is None else obj
-            now = _attributes(obj)
-            if now is None:  # the dataset is gone: nothing reads it any more
+        for key, (noted, before) in self._before.items():
+            obj = noted.value()
+            now = None if obj is _DEAD else _attributes(obj)
+            if now is None:  # gone: nothing reads it any more
                 continue
             names = _changed(before, now)
             if names:
-                kept = {name: before.get(name, _GONE) for name in names}
+                kept = {name: before.get(name, _Noted(_GONE)) for name in names}
                 self._state[key] = (type(obj).__name__, kept)
-        self._before = {}  # the values the dataset still holds, or has replaced since
+        self._before = {}
         self._settled = True
 
     def _warn(self) -> None:
@@ -199,7 +220,13 @@ class StateWatch:
                 "it was before its worker threads read it"
             )
         own_state.update(moved)
-        for name, value in kept.items():
+        for name, noted in kept.items():
+            value = noted.value()
+            if value is _DEAD:
+                raise TypeError(
+                    f"{type(obj).__name__}.{name} as it was before its worker threads read it "
+                    "is gone: worker processes cannot be given the dataset as it was"
+                )
             if value is _GONE:
                 own_state.pop(name, None)
             else:
@@ -222,7 +249,8 @@ class StateWatch:
 
 
 _watches: dict[int, StateWatch] = {}  # by id of a live dataset
-_watches_lock = threading.Lock()
+# reentrant: a collection while watch() holds it may run _forget in the same thread
+_watches_lock = threading.RLock()
 
 
 def watch(dataset: Any) -> StateWatch:
