@@ -145,6 +145,18 @@ def test_workers_get_copies_with_the_state_as_it_was_and_the_dataset_keeps_its_o
     assert subset.dataset is inner and inner.handle is handle  # the originals as they are
 
 
+def test_workers_get_a_list_or_dict_of_datasets_with_the_one_that_set_state_set_back():
+    counting, opening = Counting(), Opening()
+    concat = ConcatDataset([counting, opening])
+    pristine = read_first(concat, 8).pristine()
+    assert type(pristine.datasets) is list and pristine.datasets[0] is counting
+    assert pristine.datasets[1].handle is None and opening.handle is not None
+    stacked = StackDataset(a=Counting(), b=Opening())
+    pristine = read_first(stacked).pristine()
+    assert pristine.datasets["a"] is stacked.datasets["a"]
+    assert pristine.datasets["b"].handle is None and stacked.datasets["b"].handle is not None
+
+
 def test_a_dataset_without_state_goes_to_workers_as_it_is():
     dataset = Subset(Counting(), [0, 1])
     assert read_first(dataset).pristine() is dataset
@@ -319,8 +331,9 @@ def unseen_seed():
 
 
 def test_a_dataset_that_seeds_torchs_global_generator_keeps_state(unseen_seed):
-    found = read_first(Reseeding(), 3)
-    assert found.keeps_state and found.pristine() is found._dataset()
+    dataset = Reseeding()
+    found = read_first(dataset, 3)
+    assert found.keeps_state and found.pristine() is dataset  # nothing on it to set back
     assert found.describe() == "Reseeding seeds torch's global generator as it reads"
     assert read_first(Opening()).keeps_state and not read_first(Counting()).keeps_state
 

@@ -48,25 +48,31 @@ def _attributes(obj: Any) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
+def _held_datasets(value: Any) -> list[Any] | None:
+    """The items of a list, tuple or dict of datasets (``ConcatDataset.datasets``,
+    ``StackDataset.datasets``), known by its first; None for any other value."""
+    if not isinstance(value, (list, tuple, dict)) or not value:
+        return None
+    items = list(value.values() if isinstance(value, dict) else value)
+    return items if isinstance(items[0], Dataset) else None
+
+
 def _wrapped(state: dict[str, Any]) -> Iterator[Any]:
     """The datasets an object's attributes hold: directly, or in a list, tuple or dict of them."""
     for value in state.values():
         if isinstance(value, Dataset):
             yield value
-        elif isinstance(value, (list, tuple, dict)) and value:
-            items = value.values() if isinstance(value, dict) else value
-            if isinstance(next(iter(items)), Dataset):
-                yield from (item for item in items if isinstance(item, Dataset))
+        elif (items := _held_datasets(value)) is not None:
+            yield from (item for item in items if isinstance(item, Dataset))
 
 
 class _Noted:
     """A value as it was, held weakly where it can be: a watch held by the registry must not
     keep its dataset alive through a value that refers back to it (``self.fn = self.method``)."""
 
-    __slots__ = ("_id", "_get", "_weak")
+    __slots__ = ("_get", "_weak")
 
     def __init__(self, value: Any) -> None:
-        self._id = id(value)
         try:
             self._get: Callable[[], Any] = weakref.ref(value)
             self._weak = True
@@ -75,7 +81,7 @@ class _Noted:
             self._weak = False
 
     def holds(self, value: Any) -> bool:
-        return id(value) == self._id and self._get() is value
+        return self.value() is value
 
     def value(self) -> Any:
         """The value (:data:`_GONE` for an attribute that was not there), or :data:`_DEAD`
@@ -119,10 +125,7 @@ class StateWatch:
     dataset set and the values it replaced."""
 
     def __init__(self, dataset: Any) -> None:
-        try:
-            self._dataset: Callable[[], Any] = weakref.ref(dataset)
-        except TypeError:  # not weakly referable: the loader's own watch
-            self._dataset = lambda: dataset
+        self._dataset = _Noted(dataset)  # held strongly only where it cannot be weakly
         self._kind = type(dataset).__name__
         self._before = _datasets(dataset)  # each object's attributes before the first read
         self._turn = threading.Lock()
@@ -198,7 +201,7 @@ class StateWatch:
         """The dataset as it was before its threads read it, for worker processes: a copy of
         each dataset on the way to one that set state, with those attributes as they were; the
         dataset itself where none did."""
-        return self._restore(self._dataset(), {})
+        return self._restore(self._dataset.value(), {})
 
     def _restore(self, obj: Any, done: dict[int, Any]) -> Any:
         if id(obj) in done:
@@ -238,14 +241,15 @@ class StateWatch:
         """``value`` with the datasets it holds restored (:meth:`_restore`), itself if none is."""
         if isinstance(value, Dataset):
             return self._restore(value, done)
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Dataset):
-            items = [self._restore(item, done) for item in value]
-            same = all(a is b for a, b in zip(items, value, strict=True))
-            return value if same else type(value)(items)
-        if isinstance(value, dict) and value and isinstance(next(iter(value.values())), Dataset):
-            restored = {key: self._restore(item, done) for key, item in value.items()}
-            return value if all(restored[k] is value[k] for k in value) else restored
-        return value
+        items = _held_datasets(value)
+        if items is None:
+            return value
+        restored = [self._restore(item, done) for item in items]
+        if all(a is b for a, b in zip(restored, items, strict=True)):
+            return value
+        if isinstance(value, dict):
+            return dict(zip(value, restored, strict=True))
+        return type(value)(restored)
 
 
 _watches: dict[int, StateWatch] = {}  # by id of a live dataset
@@ -260,7 +264,7 @@ def watch(dataset: Any) -> StateWatch:
     key = id(dataset)
     with _watches_lock:
         found = _watches.get(key)
-        if found is not None and found._dataset() is dataset:
+        if found is not None and found._dataset.holds(dataset):
             return found
         made = StateWatch(dataset)
         try:
