@@ -69,7 +69,7 @@ def quick_switch(monkeypatch, request):
     from multiprocessing import forkserver
 
     from torch_spdl import auto
-    from torch_spdl.processes import start_context
+    from torch_spdl.start_method import start_context
 
     context = start_context(None, [request.module.__name__])
     if context.get_start_method() == "forkserver":

@@ -523,8 +523,9 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
 ):
     import types
 
+    from torch_spdl.jobs import FetchJob
     from torch_spdl.main_script import unguarded_main
-    from torch_spdl.processes import FetchJob, PoolStarter
+    from torch_spdl.processes import PoolStarter
 
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -587,7 +588,8 @@ def notebook_main(monkeypatch, **attributes: Any) -> Any:
 def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(monkeypatch, held):
     import functools
 
-    from torch_spdl.processes import FetchJob, PoolStarter
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
 
     notebook_main(monkeypatch)
     dataset = {"class": NotebookSamples(4), "function": Indices(4), "nothing": Indices(4)}[held]
@@ -609,7 +611,8 @@ def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(m
 
 
 def test_auto_starts_no_worker_for_a_script_read_from_stdin(monkeypatch, tmp_path):
-    from torch_spdl.processes import FetchJob, PoolStarter
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
 
     main = notebook_main(monkeypatch)
     main.__file__ = "<stdin>"
@@ -626,7 +629,8 @@ def test_auto_starts_no_worker_for_a_script_read_from_stdin(monkeypatch, tmp_pat
 def test_forked_workers_need_no_main_module(monkeypatch):
     import multiprocessing
 
-    from torch_spdl.processes import FetchJob, PoolStarter
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork on this platform")
@@ -687,7 +691,8 @@ def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkey
     import numpy as np
 
     from torch_spdl import pickled
-    from torch_spdl.processes import FetchJob, PoolStarter
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
 
     monkeypatch.setattr(pickled, "physical_memory", lambda: 256 << 20)  # a 256 MiB host
     dataset = Holding(4, np.zeros(8 << 20, dtype=np.uint8))  # 8 MiB

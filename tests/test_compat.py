@@ -22,7 +22,7 @@ import torch.utils.data as tud
 from subprocesses import run_python
 
 import torch_spdl
-from torch_spdl import compat, processes, workers
+from torch_spdl import compat, start_method, workers
 
 
 @pytest.fixture
@@ -281,10 +281,10 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
     """The standard library's private ``_forkserver._preload_modules``, read back; without it (or
     without ``_forkserver``), the list a fork server starts with."""
     server = multiprocessing.forkserver._forkserver
-    monkeypatch.setattr(processes, "main_imports", lambda: [])  # pytest's main: see test_processes
+    monkeypatch.setattr(start_method, "main_imports", lambda: [])  # pytest's: see test_processes
     monkeypatch.setattr(server, "_preload_modules", ["__main__", "numpy"])
     assert compat.forkserver_preload() == ["__main__", "numpy"]
-    assert processes._forkserver_preload(["numpy", "x"]) == [
+    assert start_method._forkserver_preload(["numpy", "x"]) == [
         "__main__",
         "numpy",
         "torch_spdl.processes",
@@ -293,7 +293,7 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
     monkeypatch.delattr(server, "_preload_modules")
     assert compat.forkserver_preload() == ["__main__"]
     monkeypatch.delattr(multiprocessing.forkserver, "_forkserver")
-    assert processes._forkserver_preload(["x"]) == ["__main__", "torch_spdl.processes", "x"]
+    assert start_method._forkserver_preload(["x"]) == ["__main__", "torch_spdl.processes", "x"]
 
 
 # -- fresh interpreters ----------------------------------------------------------------------------

@@ -24,12 +24,12 @@ import torch
 from index_datasets import WaitsAt
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
-from torch_spdl import DataLoader, FailureBudgetExceeded, StagedDataset, processes
+from torch_spdl import DataLoader, FailureBudgetExceeded, StagedDataset, start_method
 from torch_spdl.stall import StallWarning
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
 
-CONTEXT = processes.start_context(None)
+CONTEXT = start_method.start_context(None)
 TIMEOUT = 10  # seconds: only a regression (a hang) ever waits this long
 WORKERS = [
     pytest.param({"num_workers": 2, "worker_method": "thread"}, id="threads"),

@@ -34,7 +34,16 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
 
-from torch_spdl import DataLoader, StagedDataset, compat, inherited, processes
+from torch_spdl import (
+    DataLoader,
+    StagedDataset,
+    compat,
+    inherited,
+    jobs,
+    messages,
+    processes,
+    start_method,
+)
 
 N = 23  # prime: no batch size divides it
 EPOCHS = 2
@@ -42,7 +51,7 @@ EPOCHS = 2
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
 
-CONTEXT = processes.start_context(None)
+CONTEXT = start_method.start_context(None)
 """Where the loader starts its workers by default: their events and barriers come from it too."""
 
 
@@ -232,7 +241,7 @@ class Made(Dataset):
         return 3
 
     def __getitem__(self, index):
-        big = torch.full((processes.INLINE_BYTES // 4 + 1,), float(index))
+        big = torch.full((messages.INLINE_BYTES // 4 + 1,), float(index))
         return {
             "small": torch.arange(4) + index,
             "big": big,
@@ -380,7 +389,7 @@ def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
 
 
 def big_batch(sample):
-    return torch.full((processes.INLINE_BYTES,), float(sample["i"]))
+    return torch.full((messages.INLINE_BYTES,), float(sample["i"]))
 
 
 def test_persistent_workers_keep_their_processes_across_epochs():
@@ -583,9 +592,9 @@ def test_workers_start_from_a_fork_server_unless_the_program_chose_a_method():
 def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, chosen):
     """A process that used the default context once reads as having chosen ``fork``."""
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: chosen)
-    context = processes.start_context(None)
+    context = start_method.start_context(None)
     assert context.get_start_method() == ("forkserver" if chosen in (None, "fork") else chosen)
-    assert processes.start_context(CONTEXT) is CONTEXT
+    assert start_method.start_context(CONTEXT) is CONTEXT
 
 
 def _report_modules(conn, names):
@@ -613,30 +622,30 @@ def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idl
     """A running server keeps what it preloaded; non-persistent workers of a pool needing other
     modules would import them at every pass, so an idle server starts again with both lists."""
     assert not set(UNUSED) & set(sys.modules), "pick modules that nothing here imports"
-    first = processes.start_context(None, UNUSED[:1])
+    first = start_method.start_context(None, UNUSED[:1])
     assert started_with(first, UNUSED) == (UNUSED[:1], 0)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
-    again = processes.start_context(None, UNUSED[:1])  # what it has: the same server
+    again = start_method.start_context(None, UNUSED[:1])  # what it has: the same server
     assert started_with(again, UNUSED) == (UNUSED[:1], 0)
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
-    second = processes.start_context(None, UNUSED[1:2])
+    second = start_method.start_context(None, UNUSED[1:2])
     assert started_with(second, UNUSED) == (UNUSED[:2], 0)
     assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
-    processes.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart
+    start_method.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
-    processes.start_context(None, ["torch_spdl.hooks"])  # comes with torch_spdl: no restart
+    start_method.start_context(None, ["torch_spdl.hooks"])  # comes with torch_spdl: no restart
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
 
 
 def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
-    context = processes.start_context(None)
+    context = start_method.start_context(None)
     release = context.Event()
     child = context.Process(target=release.wait)
     child.start()
     try:
         server = multiprocessing.forkserver._forkserver._forkserver_pid
-        processes.start_context(None, UNUSED[2:])
+        start_method.start_context(None, UNUSED[2:])
         assert multiprocessing.forkserver._forkserver._forkserver_pid == server
         assert child.is_alive()
     finally:
@@ -655,7 +664,7 @@ def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
     lists it then). A restart for another loader's modules, in another thread, must not stop the
     server then: a stopped server exits once its last child does, without saying how it ended,
     so that child reads exit code 255. Our starts hold the lock the restart takes."""
-    context = processes.start_context(None)
+    context = start_method.start_context(None)
     forked, go = threading.Event(), threading.Event()
     read_signed = multiprocessing.forkserver.read_signed
 
@@ -667,12 +676,12 @@ def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
 
     monkeypatch.setattr(multiprocessing.forkserver, "read_signed", held_read)
     started = []
-    job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
+    job = jobs.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
     starting = threading.Thread(target=lambda: started.append(start_process(context, job, 0, 1)))
     starting.start()
     assert forked.wait(10)
     restart = threading.Thread(
-        target=processes.start_context, args=(None, ["torch_spdl_tests.never.preloaded"])
+        target=start_method.start_context, args=(None, ["torch_spdl_tests.never.preloaded"])
     )
     restart.start()
     restart.join(0.5)  # it waits for the start; a restart that did not would stop the server
@@ -690,8 +699,8 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
     reads those of finished children too; of two threads reading one at once, one records 255.
     Here the dead worker's read is held while another thread starts a worker: the start waits,
     and the error still says SIGKILL."""
-    context = processes.start_context(None)
-    job = processes.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
+    context = start_method.start_context(None)
+    job = jobs.FetchJob(list(range(4)), False, torch.utils.data.default_convert)
     worker = start_process(context, job, 0, 2)
     os.kill(worker.process.pid, signal.SIGKILL)
     reading, go = threading.Event(), threading.Event()
@@ -723,13 +732,13 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
 
 
 def test_without_pythons_private_stop_the_running_server_is_kept(monkeypatch):
-    processes.start_context(None)  # running, as the tests before left it, or not yet
-    started_with(processes.start_context(None), [])
+    start_method.start_context(None)  # running, as the tests before left it, or not yet
+    started_with(start_method.start_context(None), [])
     server = multiprocessing.forkserver._forkserver
     monkeypatch.delattr(type(server), "_stop")
     assert compat.stop_forkserver() is False
     before = server._forkserver_pid
-    processes.start_context(None, ["pyclbr", "some.module.never.preloaded"])
+    start_method.start_context(None, ["pyclbr", "some.module.never.preloaded"])
     assert server._forkserver_pid == before is not None
 
 
@@ -847,13 +856,13 @@ def test_the_main_scripts_imports_are_preloaded(monkeypatch):
     )
     exec("def local(): pass", main.__dict__)  # defined in the script: __module__ is __main__
     monkeypatch.setitem(sys.modules, "__main__", main)
-    assert processes.main_imports() == ["numpy", "PIL.Image", "torch.utils.data._utils.collate"]
-    monkeypatch.setattr(processes, "forkserver_preload", lambda: ["__main__"])  # a new server's
-    assert processes._forkserver_preload(["x"]) == [
+    assert start_method.main_imports() == ["numpy", "PIL.Image", "torch.utils.data._utils.collate"]
+    monkeypatch.setattr(start_method, "forkserver_preload", lambda: ["__main__"])  # a new server's
+    assert start_method._forkserver_preload(["x"]) == [
         "__main__",
         "torch_spdl.processes",
         "x",
-        *processes.main_imports(),
+        *start_method.main_imports(),
     ]
 
 
@@ -893,11 +902,11 @@ def test_a_workers_run_of_the_main_script_finds_its_imports_done(tmp_path):
 
 
 def test_the_fork_server_preloads_what_a_worker_unpickles(jpeg_folder):
-    job = processes.FetchJob(folder_dataset(jpeg_folder), True, torch.utils.data.default_collate)
-    modules = processes.modules_of(job)
+    job = jobs.FetchJob(folder_dataset(jpeg_folder), True, torch.utils.data.default_collate)
+    modules = start_method.modules_of(job)
     assert {"torchvision.datasets.folder", "torchvision.transforms.transforms"} <= set(modules)
     assert "torch.utils.data._utils.collate" in modules
-    preload = processes._forkserver_preload(modules)
+    preload = start_method._forkserver_preload(modules)
     assert preload[0] == "__main__" and "torch_spdl.processes" in preload
     assert set(modules) <= set(preload)
 

@@ -25,7 +25,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 # The modules `import torch_spdl` imports: every fork server that starts our worker processes
-# preloads torch_spdl.processes, and with it all of these (see processes.start_context).
+# preloads torch_spdl.processes, and with it all of these (see start_method.start_context).
 _PACKAGE_MODULES = frozenset(
     name for name in sys.modules if name == __name__ or name.startswith(f"{__name__}.")
 )

@@ -35,52 +35,42 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
-import io
-import multiprocessing
 import os
 import pickle
 import random
 import select
 import signal
-import sys
 import threading
 import time
-import types
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from multiprocessing import connection, util
-from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
 from . import inherited
-from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
+from .batching import FetchTask, SampleTask
 from .compat import (
     MP_STATUS_CHECK_INTERVAL,
     ExceptionWrapper,
     ManagerWatchdog,
-    forkserver_preload,
-    forkserver_running,
     is_iterable,
     numpy_seed,
     set_thread_name,
     set_worker_signal_handlers,
-    stop_forkserver,
 )
 from .copies import CopyTask
-from .hooks import Hooks, WholeSamples
+from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
+from .messages import END, ERROR, READY, RESET, RUN, Reply, dumps
 from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
-from .pipeline.stages import describe_item, where
-from .sampling import WorkerStreams
-from .stream_state import WithState, recorded_stream
+from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
+from .stream_state import WithState
 from .workers import set_process_worker_info, worker_info
 
 if TYPE_CHECKING:
@@ -95,77 +85,6 @@ PROCESS_WORKER_METHOD = "multiprocessing"
 SHUTDOWN_GRACE = MP_STATUS_CHECK_INTERVAL
 """Seconds the processes get to exit on their own before they are terminated (torch's figure)."""
 
-# Requests (main → worker) and reply statuses (worker → main).
-RUN, RESET = "run", "reset"
-READY, OK, ERROR, END = "ready", "ok", "error", "end"
-Reply = tuple[str, Any]
-
-INLINE_BYTES = 1 << 20
-"""Tensors up to this size travel inside the message, copied, instead of in shared memory.
-
-A tensor in shared memory costs a fixed ~0.6 ms here (a shared-memory segment, and its file
-descriptor fetched from the sender over a socket with an authentication handshake); a copy costs
-~0.1 ms plus ~2 µs per KiB. They break even around 1-2 MiB (2-core machine, 2026-11-21). Per-sample
-results of a ``preprocess`` hook are mostly small, and a collated batch mostly large."""
-
-
-def _dense_order(tensor: torch.Tensor) -> list[int] | None:
-    """The order of ``tensor``'s dimensions in memory, outermost first, where its elements fill
-    its memory without gaps in some order (contiguous, channels-last, any permutation of a
-    contiguous tensor); None for views with gaps or overlaps."""
-    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
-    return order if tensor.permute(order).is_contiguous() else None
-
-
-def _inline(tensor: torch.Tensor) -> list[int] | None:
-    """For a plain, small CPU tensor that fills its memory (its bytes, dtype, shape and layout
-    are all there is), the order of its dimensions in memory; else None."""
-    if not (
-        type(tensor) is torch.Tensor
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and not tensor.requires_grad
-        and not tensor.is_quantized
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-        and tensor.nbytes <= INLINE_BYTES
-    ):
-        return None
-    return _dense_order(tensor)
-
-
-def _rebuild_inline(
-    data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], order: list[int] | None = None
-) -> torch.Tensor:
-    """The tensor :class:`_Pickler` sent, its memory layout (``order``) included."""
-    if order is None:
-        return torch.from_numpy(data).view(dtype).reshape(shape)
-    in_memory = [shape[d] for d in order]
-    back = sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
-    return torch.from_numpy(data).view(dtype).reshape(in_memory).permute(back)
-
-
-class _Pickler(ForkingPickler):
-    """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`), in
-    their own memory layout: a channels-last image stays channels-last."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        order = _inline(obj)
-        if order is None:
-            return NotImplemented
-        data = obj.detach().permute(order).reshape(-1).view(torch.uint8).numpy()
-        return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
-
-
-def dumps(obj: Any) -> memoryview:
-    """Pickle a message: large tensors into shared memory (torch's reductions), small ones by
-    value. ``Connection.recv`` reads it back, as for ``Connection.send``."""
-    buffer = io.BytesIO()
-    _Pickler(buffer).dump(obj)
-    return buffer.getbuffer()
-
 
 def uses_processes(worker_method: Any) -> bool:
     """Whether ``worker_method`` asks for worker processes; ValueError if it names no method."""
@@ -176,194 +95,6 @@ def uses_processes(worker_method: Any) -> bool:
             f"worker_method={worker_method!r}"
         )
     return worker_method in ("process", "multiprocessing")
-
-
-# -- what a worker process runs ----------------------------------------------------------------
-def failed(stage: str, worker: int, description: str | None = None) -> Reply:
-    """The reply for the exception being handled, named as a worker thread's would be."""
-    return ERROR, ExceptionWrapper(where=where(stage, description, worker, "process"))
-
-
-_ENDED = object()
-
-
-def attempt(
-    work: Callable[[], Any],
-    stage: str | Callable[[], str],
-    worker: int,
-    describe: Callable[[], str | None],
-) -> Reply:
-    """``(OK, work())``, or the reply for the exception it raised: every exception fails its item
-    (``SystemExit`` too, which would end a worker of torch's), except Ctrl-C, which reaches the
-    main process too: this worker then exits quietly, as torch's do. ``stage`` may be asked
-    after the failure, as ``describe`` is."""
-    try:
-        return OK, work()
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        return failed(stage if isinstance(stage, str) else stage(), worker, describe())
-
-
-@dataclass
-class FetchJob:
-    """No hooks: a batch's indices in, the collated batch out (torch's worker's job)."""
-
-    stage: ClassVar[str] = "fetch"
-    dataset: Any
-    auto_collation: bool
-    collate_fn: Callable[[Any], Any]
-    records: bool = False  # a dataset with state of its own: its state goes with each batch
-
-    def info_dataset(self, worker: int) -> Any:
-        return self.dataset
-
-    def reset(self, worker: int, request: Any = None) -> Reply:
-        """``request``: the state this worker's copy begins a pass from (see
-        :mod:`torch_spdl.copies`), or None."""
-        if request is None:
-            return READY, None
-        load = lambda: self.dataset.load_state_dict(request)  # noqa: E731
-        status, payload = attempt(load, self.stage, worker, lambda: "load_state_dict")
-        return (READY, None) if status == OK else (status, payload)
-
-    @functools.cached_property
-    def _fetch(self) -> Callable[[FetchTask], Any]:
-        """Built once, in the worker (a spawned worker unpickles the job without it)."""
-        return batch_fetcher(self.dataset, self.auto_collation, self.collate_fn)
-
-    def run(self, index: Any, worker: int) -> Reply:
-        task = FetchTask(index)
-        status, payload = attempt(lambda: self._fetch(task), self.stage, worker, task.describe)
-        if self.records:  # a batch that raised moved the state too
-            saved, state = attempt(self.dataset.state_dict, self.stage, worker, lambda: None)
-            if saved == ERROR:
-                return saved, state
-            payload = WithState(payload, state)
-        return status, payload
-
-
-@dataclass
-class WholeJob(FetchJob):
-    """Hooks run whole in the worker: a batch's indices in, each sample loaded (on
-    ``io_threads`` threads of this process) and preprocessed, the collated batch out."""
-
-    hooks: Hooks | None = None
-    io_threads: int = 1
-
-    @functools.cached_property
-    def _samples(self) -> WholeSamples:
-        assert self.hooks is not None  # the plan gives a WholeJob its hooks
-        return WholeSamples(self.dataset, self.hooks, self.io_threads)
-
-    @functools.cached_property
-    def _fetch(self) -> Callable[[FetchTask], Any]:
-        return batch_fetcher(self._samples, self.auto_collation, self.collate_fn)
-
-    def run(self, index: Any, worker: int) -> Reply:
-        """A sample's error names its stage and dataset index, as the split stages' do; an
-        error of ``collate_fn`` names the batch's."""
-        task = FetchTask(index)
-        at = lambda: self._samples.failed_at  # noqa: E731
-
-        def stage() -> str:
-            return self.stage if (failed_at := at()) is None else failed_at[0]
-
-        def describe() -> str | None:
-            if (failed_at := at()) is None:
-                return task.describe()
-            return SampleTask(failed_at[1], 0, 1).describe()
-
-        return attempt(lambda: self._fetch(task), stage, worker, describe)
-
-
-@dataclass
-class PreprocessJob:
-    """Hooks: one loaded sample in, ``preprocess(raw)`` out; collation stays in the main process,
-    which assembles the batch sampler's batches from samples of every worker."""
-
-    stage: ClassVar[str] = "preprocess"
-    preprocess: Callable[[Any], Any]
-    dataset: Any
-
-    def info_dataset(self, worker: int) -> Any:
-        return self.dataset
-
-    def reset(self, worker: int, request: Any = None) -> Reply:
-        return READY, None
-
-    def run(self, request: tuple[Any, Any], worker: int) -> Reply:
-        index, raw = request
-        describe = SampleTask(index, 0, 1).describe
-        return attempt(lambda: self.preprocess(raw), self.stage, worker, describe)
-
-
-@dataclass
-class IterableJob:
-    """An IterableDataset: each worker runs its own iterator (over ``streams.stream(worker)``:
-    the dataset, split by rank where needed), batched and collated, as torch's workers do;
-    :meth:`reset` starts a new one each epoch."""
-
-    stage: ClassVar[str] = "fetch"
-    streams: WorkerStreams
-    auto_collation: bool
-    collate_fn: Callable[[Any], Any]
-    drop_last: bool
-    batch_size: int | None
-    _batches: Iterator[Any] | None = field(default=None, init=False, repr=False)
-    _records: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
-
-    def info_dataset(self, worker: int) -> Any:
-        return self.streams.dataset(worker)
-
-    def reset(self, worker: int, request: Any = None) -> Reply:
-        """A new iterator; ``request`` is ``(restored, every)`` (see
-        :mod:`torch_spdl.stream_state`): its state put back, and recorded every ``every``."""
-        self._batches = None
-        restored, every = request if request is not None else (None, 1)
-        args = (self.auto_collation, self.collate_fn, self.drop_last, self.batch_size)
-
-        def start() -> Iterator[Any]:
-            dataset = self.streams.stream(worker)
-            batches_of = lambda iterator: IterableBatches(iterator, *args)  # noqa: E731
-            return recorded_stream(dataset, restored, every, batches_of, self._records.append)[0]
-
-        status, payload = attempt(start, self.stage, worker, lambda: None)
-        if status == ERROR:
-            return status, payload
-        self._batches = payload
-        return READY, self._records.pop() if self._records else None
-
-    def run(self, request: None, worker: int) -> Reply:
-        batches = self._batches
-        assert batches is not None, "reset() starts a worker's batches before it runs"
-        status, payload = attempt(lambda: next(batches, _ENDED), self.stage, worker, lambda: None)
-        if payload is _ENDED:  # with the stream's state at its end, where it records one
-            return END, self._records.pop() if self._records else None
-        if self._records:  # the stream's state after this batch goes with it
-            state = self._records.pop()
-            payload = WithState(payload, state)
-        return status, payload
-
-
-@dataclass
-class OpJob:
-    """A pipeline's ``pipe(op, executor="process")``: one value in, ``op(value)`` out."""
-
-    op: Callable[[Any], Any]
-    stage: str
-
-    def info_dataset(self, worker: int) -> Any:
-        return None
-
-    def reset(self, worker: int, request: Any = None) -> Reply:
-        return READY, None
-
-    def run(self, value: Any, worker: int) -> Reply:
-        return attempt(lambda: self.op(value), self.stage, worker, lambda: describe_item(value))
-
-
-Job = FetchJob | WholeJob | PreprocessJob | IterableJob | OpJob
 
 
 STACK_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -532,14 +263,14 @@ def _start_process(
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
     try:
-        with _SERVER_LOCK:  # no restart of the fork server while it forks this worker
+        with SERVER_LOCK:  # no restart of the fork server while it forks this worker
             process.start()
     except BaseException as error:
         for end in (ours, stacks):
             if end is not None:
                 end.close()
         if isinstance(error, (TypeError, AttributeError, pickle.PicklingError)):
-            _explain_pickling(context, error)
+            explain_pickling(context, error)
         raise
     finally:
         for end in (theirs, stack_pipe):  # the worker has its own copies now
@@ -551,166 +282,6 @@ def _start_process(
         else "a new worker process takes over its next tasks"
     )
     return _Worker(worker, process, ours, then, stacks)
-
-
-def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
-    """The multiprocessing context worker processes start from.
-
-    ``multiprocessing_context`` keeps torch's meaning: a context (torch has turned a method's
-    name into one) is used as given, ``fork`` included. Where it is None, torch takes the
-    process's default start method, ``fork`` on Linux before Python 3.14; we never fork unasked.
-    This process runs threads (the loader's, the training loop's, libraries'), and a child forked
-    while one of them holds a lock inherits the lock held, forever (Python ≥ 3.12 warns of this).
-    So workers start from a fork server, Python 3.14's default on Linux: a fresh interpreter that
-    imports torch and this module once, from which each worker is forked in milliseconds. A
-    program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
-    keeps its choice. A chosen ``fork`` cannot be told from the default: multiprocessing reads
-    as having chosen ``fork`` once anything used its default context (a ``Queue()``, torch's own
-    loader with workers), so forking on it would fork threaded processes in most programs; ask
-    for it with ``multiprocessing_context="fork"``.
-    Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
-    the worker, which therefore needs an ``if __name__ == "__main__":`` guard. ``preload`` names
-    the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
-    starts now imports them once, where each worker would import them again at every start
-    (torchvision alone takes seconds, at every epoch without ``persistent_workers``).
-    """
-    if requested is not None:
-        return requested
-    chosen = multiprocessing.get_start_method(allow_none=True)
-    if chosen not in (None, "fork"):
-        return multiprocessing.get_context(chosen)
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    with _SERVER_LOCK:
-        wanted = _forkserver_preload(preload)
-        if forkserver_running() and _lacks(_server_preload, wanted):
-            if _forkserver_children() or not stop_forkserver():
-                return context  # it keeps what it has: its workers import the rest themselves
-            wanted = list(dict.fromkeys([*_server_preload, *wanted]))
-        if not forkserver_running():
-            context.set_forkserver_preload(wanted)
-            _server_preload[:] = wanted
-    return context
-
-
-# The fork server's preload list as this module last set it before the server started. A pool
-# whose modules the running server lacks restarts it with both lists (each worker would import
-# them again at every start, non-persistent workers at every pass), but only while no process
-# of the server's runs: a stopped server's children read as dead to their parents. A worker
-# being started is no child yet (multiprocessing lists it once start() returns), so every start
-# of ours holds the lock too: a restart waits for it, then sees it. A start also reads finished
-# children's exit codes, so our own reads of one hold it as well (:func:`exit_code`).
-_SERVER_LOCK = threading.Lock()
-_server_preload: list[str] = []
-
-
-def exit_code(process: Any, timeout: float) -> int | None:
-    """``process``'s exit code once it has exited, waiting up to ``timeout`` seconds; None while
-    it runs. multiprocessing reads a fork-server child's status from a pipe, and of two threads
-    reading it at once (this, and a worker start's clean-up of finished children) one gets
-    nothing and records 255: the reads take :data:`_SERVER_LOCK`, as the starts do."""
-    with _SERVER_LOCK:
-        process.join(timeout)
-        return process.exitcode
-
-
-def _lacks(server: list[str], wanted: list[str]) -> bool:
-    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's modules and
-    those ``import torch_spdl`` imports count as there: every server imports both (through this
-    module), and a restart costs a new server's start-up, seconds, for nothing."""
-    from . import _PACKAGE_MODULES  # the package has finished importing by any start
-
-    return any(
-        name not in server
-        and name not in _PACKAGE_MODULES
-        and name != "torch"
-        and not name.startswith("torch.")
-        for name in wanted
-    )
-
-
-def _forkserver_children() -> list[Any]:
-    """This process's live children from a fork server, ours and anyone's (torch's loader with
-    ``multiprocessing_context="forkserver"``). A child that code outside this module starts
-    between this check and the stop would be cut off; ours start under :data:`_SERVER_LOCK`."""
-    kind = getattr(multiprocessing.context, "ForkServerProcess", None)
-    if kind is None:
-        return []
-    return [child for child in multiprocessing.active_children() if isinstance(child, kind)]
-
-
-def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
-    """The fork server's preload list (the main script, by default) with this module, ``extra``
-    and the main script's imports added, so that workers start with them imported (the list is
-    read through a private name of the standard library, see
-    :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
-    started yet: a running server keeps what it has."""
-    return list(dict.fromkeys([*forkserver_preload(), __name__, *extra, *main_imports()]))
-
-
-_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
-
-
-def main_imports() -> list[str]:
-    """The modules the main script has imported into its namespace: its modules, and those of
-    its classes and functions, where imported here.
-
-    A worker started from a fork server runs the main script again, as ``__mp_main__``, and with
-    it the script's imports: a training script's ``import lightning`` took seconds in every
-    worker at every non-persistent pass. The server's own preload of ``"__main__"`` would have
-    imported them once, but before Python 3.13.x's fix it is lost on the way (the server reads
-    a key ``main_path``, which ``spawn.get_preparation_data`` calls ``init_main_from_path``).
-    Preloaded by name, they are in the server, and the script's imports in a worker find them.
-    """
-    main = sys.modules.get("__main__")
-    values = list(vars(main).values()) if main is not None else []
-    imported = (v for v in values if isinstance(v, types.ModuleType) or callable(v))
-    return list(dict.fromkeys(filter(None, map(_module_of, imported))))
-
-
-def _module_of(value: Any) -> str | None:
-    """The module a process imports to have ``value``: a module's own name, a partial's
-    function's module, a class's or function's, else its type's; None where it is not imported
-    here, or is the main script or the builtins."""
-    name: str | None
-    if isinstance(value, types.ModuleType):
-        name = value.__name__
-    else:
-        owner = value.func if isinstance(value, functools.partial) else value
-        owner = owner if isinstance(owner, type) or callable(owner) else type(owner)
-        name = getattr(owner, "__module__", None)
-    if isinstance(name, str) and name in sys.modules and name not in _NOT_PRELOADED:
-        return name
-    return None
-
-
-def modules_of(job: Any) -> list[str]:
-    """The modules a worker imports to unpickle ``job``: those of the classes and functions it
-    holds, and of the values a dataset holds (its ``transform``, say), where already imported
-    here. A guess one level deep, not a walk of the pickle: a module missed is imported by the
-    worker, as without a preload."""
-    values = [getattr(job, f.name) for f in fields(job)]
-    for value in list(values):
-        values += list(getattr(value, "__dict__", {}).values())
-    return list(dict.fromkeys(filter(None, map(_module_of, values))))
-
-
-def _explain_pickling(context: Any, error: Exception) -> None:
-    """Say why a worker could not start where its arguments had to be pickled, and the ways out
-    (torch warns likewise where Python 3.14 made it start workers from a fork server)."""
-    method = context.get_start_method()
-    if method == "fork":
-        return
-    warnings.warn(
-        f"the DataLoader's worker processes could not start by {method!r}: what a worker is "
-        "given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must be "
-        f"picklable, and this was not ({error}). Make it picklable (worker_method='auto' keeps "
-        "the stage on threads until then), or pass multiprocessing_context='fork' to fork the "
-        "workers from this process, which is safe only while no other thread holds a lock.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
 
 
 class _Processes:

@@ -265,7 +265,8 @@ def _stage(pipe: Pipe, pools: list[Any]) -> Stage:
     fn, on_start = _collected(pipe.op), pipe.on_start
     describe = pipe.describe or describe_item
     if pipe.executor == "process":
-        from ..processes import OpJob, ProcessPool  # the engine itself needs no processes
+        from ..jobs import OpJob
+        from ..processes import ProcessPool  # the engine itself needs no processes
 
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         pool = ProcessPool(OpJob(fn, pipe.name), pipe.concurrency, base_seed=seed)

@@ -1,0 +1,180 @@
+"""How worker processes start: the multiprocessing context, and the fork server's preload."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Iterable
+from dataclasses import fields
+from typing import Any
+
+from .compat import forkserver_preload, forkserver_running, stop_forkserver
+
+
+def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
+    """The multiprocessing context worker processes start from.
+
+    ``multiprocessing_context`` keeps torch's meaning: a context (torch has turned a method's
+    name into one) is used as given, ``fork`` included. Where it is None, torch takes the
+    process's default start method, ``fork`` on Linux before Python 3.14; we never fork unasked.
+    This process runs threads (the loader's, the training loop's, libraries'), and a child forked
+    while one of them holds a lock inherits the lock held, forever (Python ≥ 3.12 warns of this).
+    So workers start from a fork server, Python 3.14's default on Linux: a fresh interpreter that
+    imports torch and this module once, from which each worker is forked in milliseconds. A
+    program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
+    keeps its choice. A chosen ``fork`` cannot be told from the default: multiprocessing reads
+    as having chosen ``fork`` once anything used its default context (a ``Queue()``, torch's own
+    loader with workers), so forking on it would fork threaded processes in most programs; ask
+    for it with ``multiprocessing_context="fork"``.
+    Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
+    the worker, which therefore needs an ``if __name__ == "__main__":`` guard. ``preload`` names
+    the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
+    starts now imports them once, where each worker would import them again at every start
+    (torchvision alone takes seconds, at every epoch without ``persistent_workers``).
+    """
+    if requested is not None:
+        return requested
+    chosen = multiprocessing.get_start_method(allow_none=True)
+    if chosen not in (None, "fork"):
+        return multiprocessing.get_context(chosen)
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    with SERVER_LOCK:
+        wanted = _forkserver_preload(preload)
+        if forkserver_running() and _lacks(_server_preload, wanted):
+            if _forkserver_children() or not stop_forkserver():
+                return context  # it keeps what it has: its workers import the rest themselves
+            wanted = list(dict.fromkeys([*_server_preload, *wanted]))
+        if not forkserver_running():
+            context.set_forkserver_preload(wanted)
+            _server_preload[:] = wanted
+    return context
+
+
+# The fork server's preload list as this module last set it before the server started. A pool
+# whose modules the running server lacks restarts it with both lists (each worker would import
+# them again at every start, non-persistent workers at every pass), but only while no process
+# of the server's runs: a stopped server's children read as dead to their parents. A worker
+# being started is no child yet (multiprocessing lists it once start() returns), so every start
+# of ours holds the lock too: a restart waits for it, then sees it. A start also reads finished
+# children's exit codes, so our own reads of one hold it as well (:func:`exit_code`).
+SERVER_LOCK = threading.Lock()
+_server_preload: list[str] = []
+
+
+def exit_code(process: Any, timeout: float) -> int | None:
+    """``process``'s exit code once it has exited, waiting up to ``timeout`` seconds; None while
+    it runs. multiprocessing reads a fork-server child's status from a pipe, and of two threads
+    reading it at once (this, and a worker start's clean-up of finished children) one gets
+    nothing and records 255: the reads take :data:`SERVER_LOCK`, as the starts do."""
+    with SERVER_LOCK:
+        process.join(timeout)
+        return process.exitcode
+
+
+def _lacks(server: list[str], wanted: list[str]) -> bool:
+    """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's modules and
+    those ``import torch_spdl`` imports count as there: every server imports both (through this
+    module), and a restart costs a new server's start-up, seconds, for nothing."""
+    from . import _PACKAGE_MODULES  # the package has finished importing by any start
+
+    return any(
+        name not in server
+        and name not in _PACKAGE_MODULES
+        and name != "torch"
+        and not name.startswith("torch.")
+        for name in wanted
+    )
+
+
+def _forkserver_children() -> list[Any]:
+    """This process's live children from a fork server, ours and anyone's (torch's loader with
+    ``multiprocessing_context="forkserver"``). A child that code outside this module starts
+    between this check and the stop would be cut off; ours start under :data:`SERVER_LOCK`."""
+    kind = getattr(multiprocessing.context, "ForkServerProcess", None)
+    if kind is None:
+        return []
+    return [child for child in multiprocessing.active_children() if isinstance(child, kind)]
+
+
+WORKER_MODULE = "torch_spdl.processes"
+"""The module a worker process runs (its ``_worker_main``), which imports all a worker needs of
+torch_spdl: the fork server preloads it."""
+
+
+def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
+    """The fork server's preload list (the main script, by default) with
+    :data:`WORKER_MODULE`, ``extra`` and the main script's imports added, so that workers start
+    with them imported (the list is read through a private name of the standard library, see
+    :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
+    started yet: a running server keeps what it has."""
+    return list(dict.fromkeys([*forkserver_preload(), WORKER_MODULE, *extra, *main_imports()]))
+
+
+_NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
+
+
+def main_imports() -> list[str]:
+    """The modules the main script has imported into its namespace: its modules, and those of
+    its classes and functions, where imported here.
+
+    A worker started from a fork server runs the main script again, as ``__mp_main__``, and with
+    it the script's imports: a training script's ``import lightning`` took seconds in every
+    worker at every non-persistent pass. The server's own preload of ``"__main__"`` would have
+    imported them once, but before Python 3.13.x's fix it is lost on the way (the server reads
+    a key ``main_path``, which ``spawn.get_preparation_data`` calls ``init_main_from_path``).
+    Preloaded by name, they are in the server, and the script's imports in a worker find them.
+    """
+    main = sys.modules.get("__main__")
+    values = list(vars(main).values()) if main is not None else []
+    imported = (v for v in values if isinstance(v, types.ModuleType) or callable(v))
+    return list(dict.fromkeys(filter(None, map(_module_of, imported))))
+
+
+def _module_of(value: Any) -> str | None:
+    """The module a process imports to have ``value``: a module's own name, a partial's
+    function's module, a class's or function's, else its type's; None where it is not imported
+    here, or is the main script or the builtins."""
+    name: str | None
+    if isinstance(value, types.ModuleType):
+        name = value.__name__
+    else:
+        owner = value.func if isinstance(value, functools.partial) else value
+        owner = owner if isinstance(owner, type) or callable(owner) else type(owner)
+        name = getattr(owner, "__module__", None)
+    if isinstance(name, str) and name in sys.modules and name not in _NOT_PRELOADED:
+        return name
+    return None
+
+
+def modules_of(job: Any) -> list[str]:
+    """The modules a worker imports to unpickle ``job``: those of the classes and functions it
+    holds, and of the values a dataset holds (its ``transform``, say), where already imported
+    here. A guess one level deep, not a walk of the pickle: a module missed is imported by the
+    worker, as without a preload."""
+    values = [getattr(job, f.name) for f in fields(job)]
+    for value in list(values):
+        values += list(getattr(value, "__dict__", {}).values())
+    return list(dict.fromkeys(filter(None, map(_module_of, values))))
+
+
+def explain_pickling(context: Any, error: Exception) -> None:
+    """Say why a worker could not start where its arguments had to be pickled, and the ways out
+    (torch warns likewise where Python 3.14 made it start workers from a fork server)."""
+    method = context.get_start_method()
+    if method == "fork":
+        return
+    warnings.warn(
+        f"the DataLoader's worker processes could not start by {method!r}: what a worker is "
+        "given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must be "
+        f"picklable, and this was not ({error}). Make it picklable (worker_method='auto' keeps "
+        "the stage on threads until then), or pass multiprocessing_context='fork' to fork the "
+        "workers from this process, which is safe only while no other thread holds a lock.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
