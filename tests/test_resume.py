@@ -25,7 +25,7 @@ import torch.utils.data as tud
 from index_datasets import Indices
 
 from torch_spdl import DataLoader, StagedDataset
-from torch_spdl.resume import Progress
+from torch_spdl.pass_record import Progress
 
 N = 23  # prime: no batch size divides it
 SEED = 1234

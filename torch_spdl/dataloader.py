@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 import torch.utils.data
 from torch.utils.data import BatchSampler
 
-from . import gil, resume, torchdata_state
+from . import gil, pass_record, resume, torchdata_state
 from .auto import PROCESS, AutoState, Decision
 from .cache import ByteLRU, CacheStats
 from .compat import is_iterable
@@ -198,8 +198,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
         self._shards_itself = distributed and builds_own
         self._requested_epoch: int | None = None
-        self._pass: resume.PassRecord | None = None  # the latest iterator's pass, for state_dict()
-        self._resume: resume.Pending | None = None  # a loaded state, for the next iterator
+        self._pass: pass_record.PassRecord | None = None  # the latest pass, for state_dict()
+        self._resume: pass_record.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
         self._stats_probe: StatsProbe | None = None
 
@@ -394,7 +394,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._resume = state
         return copy.deepcopy(state.raw)
 
-    def _take_continuation(self) -> resume.Continuation | None:
+    def _take_continuation(self) -> pass_record.Continuation | None:
         """The loaded state for the iterator being made now (it is used once)."""
         pending, self._resume = self._resume, None
         return None if pending is None else pending.continuation

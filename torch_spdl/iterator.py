@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
 
-from . import gil, resume
+from . import gil, pass_record, resume
 from .auto import PROCESS, THREAD, Decision, Trial, decide
 from .batching import (
     Assembler,
@@ -454,7 +454,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _iterable_worker(self) -> Callable[[int], Iterable[Any]]:
         """What torch's worker process does for an IterableDataset: its own iterator (of its own
         copy, split by rank where needed: :class:`~torch_spdl.sampling.WorkerStreams`), batched;
-        resumed where a state says (:meth:`resume.PassRecord.stream`).
+        resumed where a state says (:meth:`pass_record.PassRecord.stream`).
 
         Closures over plain values, not bound methods: the worker threads must not hold the
         iterator, or dropping it could never stop them.
@@ -678,11 +678,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _begin_pass(
         self,
         loader: DataLoader,
-        continuation: resume.Continuation | None,
-        previous: resume.PassRecord | None = None,
+        continuation: pass_record.Continuation | None,
+        previous: pass_record.PassRecord | None = None,
     ) -> None:
         """Record the pass that starts now; however it ends, its sampler is settled
-        (:meth:`resume.PassRecord.settle`), also when the iterator is dropped unclosed. The
+        (:meth:`pass_record.PassRecord.settle`), also when the iterator is dropped unclosed. The
         worker copies of a dataset with state go on from where the ``previous`` pass (of
         persistent workers) left them."""
         copies = self._num_workers if self._plan.copies else 0

@@ -4,7 +4,7 @@ A dataset, or the iterator its ``__iter__`` returns, with ``state_dict()`` and
 ``load_state_dict()`` (torchdata's ``Stateful`` protocol) is restored where a state recorded it
 and recorded again every so many batches. The same code runs in a worker thread and in a worker
 process (which sends its records to the main process with its batches); see
-:meth:`torch_spdl.resume.PassRecord.stream`.
+:meth:`torch_spdl.pass_record.PassRecord.stream`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import resume
+from . import pass_record, resume
 from .compat import is_iterable
 
 _SINGLE = "_num_yielded"  # keys that say which layout a torchdata state has
@@ -117,7 +117,7 @@ def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
         # the epoch is over: the next one is this loader's own (its sampler's generator, or
         # the global RNG, draws it), as after any state taken between epochs
         ours["between"] = {
-            "generator": resume.generator_state(loader.generator),
+            "generator": pass_record.generator_state(loader.generator),
             "epoch": None,
             "base_seed": None,
             "sampler_state": None,

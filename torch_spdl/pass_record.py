@@ -1,0 +1,584 @@
+"""The record of one pass of an iterator, kept as it runs: the seeds it started from, its
+sampler's randomness or snapshots, and the numbers of the batches the user received. What
+``state_dict()`` saves is read from it, and a resumed pass is one that starts from a
+:class:`Continuation` (see :mod:`torch_spdl.resume` for how a pass is replayed)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from .compat import random_sampler_num_samples
+from .failures import SKIPPED
+from .sampling import AutoEpochSampler
+from .stream_state import is_stateful, recorded_stream
+
+_END = object()  # an index stream's end, for next(stream, _END)
+
+# torch samplers whose randomness is taken lazily, when their pass starts, from ``.generator``
+# (or, for RandomSampler without one, from a seed drawn off the global RNG): replayable.
+_REPLAYABLE = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+# -- small helpers -------------------------------------------------------------------------------
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """A generator's state as plain bytes (a checkpoint needs no tensor for it)."""
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def set_generator_state(generator: torch.Generator | None, state: bytes | None) -> None:
+    if generator is not None and state is not None:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def generator_of(rng: tuple[str, Any]) -> torch.Generator:
+    """A generator as a pass's recorded ``sampler_rng`` starts it: ``("seed", int)`` seeds it,
+    ``("state", bytes)`` sets its state."""
+    generator = torch.Generator()
+    if rng[0] == "seed":
+        generator.manual_seed(int(rng[1]))
+    else:
+        set_generator_state(generator, rng[1])
+    return generator
+
+
+def draw_seed(generator: torch.Generator | None) -> int:
+    """torch's draw of a seed (its loader's ``base_seed``, its RandomSampler's pass seed)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def length_of(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def replayable(sampler: Any) -> bool:
+    """Exact types only: a subclass may take its randomness elsewhere."""
+    return type(sampler) in _REPLAYABLE and (
+        type(sampler) is RandomSampler or sampler.generator is not None
+    )
+
+
+def stateful_sampler(index_sampler: Any) -> Any:
+    """The sampler whose ``state_dict`` a state carries: the index sampler (a batch sampler, or
+    the sampler when ``batch_size=None``), else the sampler inside torch's own BatchSampler."""
+    if is_stateful(index_sampler):
+        return index_sampler
+    if type(index_sampler) is BatchSampler and is_stateful(index_sampler.sampler):
+        return index_sampler.sampler
+    return None
+
+
+def epoch_state(sampler: Any) -> dict[str, Any] | None:
+    """A DistributedSampler's epoch; the loader's own one also keeps its pass bookkeeping."""
+    if isinstance(sampler, AutoEpochSampler):
+        return {
+            "epoch": sampler.epoch,
+            "set_by_user": sampler.epoch_set_by_user,
+            "passes": sampler.passes,
+        }
+    if isinstance(sampler, DistributedSampler):
+        return {"epoch": sampler.epoch}
+    return None
+
+
+def restore_epoch(sampler: Any, state: dict[str, Any] | None) -> None:
+    """Put the epoch back. With only ``epoch`` (a pass being resumed), ``set_epoch`` marks it as
+    chosen, so the resumed pass keeps it and the loader moves on after it, as it would have."""
+    if state is None or not isinstance(sampler, DistributedSampler):
+        return
+    if "passes" in state and isinstance(sampler, AutoEpochSampler):
+        DistributedSampler.set_epoch(sampler, state["epoch"])
+        sampler.epoch_set_by_user = state["set_by_user"]
+        sampler.passes = state["passes"]
+    else:
+        sampler.set_epoch(state["epoch"])
+
+
+# -- which batches the user received ---------------------------------------------------------------
+class Progress:
+    """A set of batch numbers kept compact: every number below ``prefix``, plus ``later``."""
+
+    def __init__(self, prefix: int = 0, later: Iterable[int] = ()) -> None:
+        self.prefix = prefix
+        self.later = set(later)
+        self._compact()
+
+    def _compact(self) -> None:
+        while self.prefix in self.later:
+            self.later.remove(self.prefix)
+            self.prefix += 1
+
+    def add(self, number: int) -> None:
+        if number >= self.prefix:
+            self.later.add(number)
+            self._compact()
+
+    def __contains__(self, number: int) -> bool:
+        return number < self.prefix or number in self.later
+
+    def __len__(self) -> int:
+        return self.prefix + len(self.later)
+
+    def copy(self) -> Progress:
+        return Progress(self.prefix, self.later)
+
+    def state(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "later": sorted(self.later)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Progress:
+        prefix, later = state["prefix"], list(state["later"])
+        numbers = [prefix, *later]
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+            raise ValueError(f"batch numbers must be ints, got {state!r}")
+        if prefix < 0 or any(n <= prefix for n in later):
+            raise ValueError(f"malformed yielded batches {state!r}")
+        return cls(prefix, later)
+
+
+class Snapshots:
+    """States recorded when so many batches had been drawn (a sampler's) or given (a worker
+    stream's), kept from the latest one a resume could start from: at or before the first batch
+    not yet received, since the source runs ahead of the user. The record's lock guards it."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, Any] = {}
+
+    def put(self, at: int, state: Any) -> None:
+        self._at[at] = state
+
+    def usable(self, received: int) -> tuple[int, Any] | None:
+        """``(at, state)`` of the latest record at or before batch ``received``."""
+        at = max((at for at in self._at if at <= received), default=None)
+        return None if at is None else (at, self._at[at])
+
+    def prune(self, received: int) -> None:
+        """Drop the records older than the one :meth:`usable` gives."""
+        usable = self.usable(received)
+        for at in [at for at in self._at if usable is not None and at < usable[0]]:
+            del self._at[at]
+
+    def last(self) -> Any:
+        """The latest record's state (None if there is none)."""
+        return self._at[max(self._at)] if self._at else None
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What the next iterator continues from instead of starting afresh."""
+
+    base_seed: int
+    generator: bytes | None  # the loader generator's state as the pass's sampling began
+    sampler_rng: tuple[str, Any] | None  # ("seed", int) or ("state", bytes), when recorded
+    done: Progress  # batch numbers already received
+    start: int  # the number of the first batch the (restored) sampler yields
+    # Which of torch's draws the pass still makes (and drops, using the values above), so the
+    # global RNG moves on as it would have: a next pass fixed between passes makes its draws
+    # after the state; a pass resumed mid-way made them before it, and a persistent iterator's
+    # next pass draws no base_seed.
+    draws_base_seed: bool = False
+    draws_sampler_seed: bool = False
+    # an IterableDataset's pass: per worker, the numbers of its batches already received, and
+    # where its stream's own state was recorded ({"at", "dataset", "iterator"}, or None)
+    streams: tuple[Progress, ...] | None = None
+    stream_states: tuple[dict[str, Any] | None, ...] | None = None
+    # A pass resumed on another number of ranks: this rank's share of what the saving job had
+    # left of its global order (indices), and that order's description (see global_order).
+    rest: tuple[Any, ...] | None = None
+    order: dict[str, Any] | None = None
+    # A map-style dataset with state of its own read from one copy per worker: the state each
+    # copy begins the pass from (None: a fresh copy of the loader's dataset), see copies.py.
+    worker_datasets: tuple[Any, ...] | None = None
+
+
+@dataclass
+class Pending:
+    """A loaded state not yet used by an iterator: returned as is by ``state_dict()``."""
+
+    raw: dict[str, Any]
+    continuation: Continuation | None
+
+
+class _Replay:
+    """Iterate a replayable torch sampler, recording (or, on resume, reusing) its randomness.
+
+    With ``generator=None`` torch's RandomSampler draws a seed off the global RNG when its pass
+    starts; we make that same draw, remember it, and run torch's RandomSampler with a generator
+    seeded by it — torch's own code path for that case, so the indices are torch's.
+    """
+
+    def __init__(self, sampler: Any, record: PassRecord) -> None:
+        self._sampler = sampler
+        self._record = record
+        self._it: Iterator[Any] | None = None
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self._sampler.generator
+
+    def __iter__(self) -> Iterator[Any]:
+        """The replayed sampler's own iterator, so drawing an index costs no wrapper call."""
+        return self.start()
+
+    def start(self) -> Iterator[Any]:
+        if self._it is None:
+            self._it = self._begin()
+        return self._it
+
+    def _begin(self) -> Iterator[Any]:
+        sampler, saved = self._sampler, self._record.sampler_rng
+        if sampler.generator is None:
+            if saved is None or saved[0] == "seed":  # else a torchdata checkpoint's generator
+                if saved is None or self._record.draws_sampler_seed:
+                    drawn = draw_seed(None)  # torch's draw (dropped where the state fixed the seed)
+                saved = ("seed", int(saved[1]) if saved else drawn)
+                self._record.sampler_rng = saved
+            replica = RandomSampler(
+                sampler.data_source,
+                sampler.replacement,
+                random_sampler_num_samples(sampler),
+                generator_of(saved),
+            )
+            return iter(replica)
+        if saved is not None:
+            if saved[0] != "state":
+                raise ValueError("the state recorded a seed; this sampler has a generator")
+            set_generator_state(sampler.generator, saved[1])
+        self._record.sampler_rng = ("state", generator_state(sampler.generator))
+        return iter(sampler)
+
+
+class PassRecord:
+    """One pass of an iterator: the seeds it started from and the batches the user received.
+
+    The source side (a pipeline thread, or the caller with ``num_workers=0``) runs
+    :meth:`track`'s iterator; the consumer side calls :meth:`delivered`. They share only the
+    sampler snapshots, under a lock.
+    """
+
+    def __init__(
+        self,
+        base_seed: int,
+        generator: bytes | None,
+        epoch: int | None,
+        continuation: Continuation | None,
+        tracked: bool,
+        window: int = 0,
+        snapshot_every: int = 1,
+        workers: int = 1,
+        copies: int = 0,
+        carried: list[Any] | None = None,
+    ) -> None:
+        self.base_seed = base_seed
+        self.window = window  # batches torch's loader reads ahead of the consumer: see settle()
+        self.snapshot_every = snapshot_every  # a stateful sampler's state: every n batches drawn
+        self.generator = generator
+        self.epoch = epoch
+        self.tracked = tracked  # map-style: batches are numbered and can be replayed
+        self.finished = False  # the iterator raised StopIteration for this pass
+        c = continuation
+        self.sampler_rng = c.sampler_rng if c else None
+        self.draws_sampler_seed = c.draws_sampler_seed if c else True
+        self.skip = c.done if c else Progress()  # received before this pass resumed: not drawn
+        self.done = self.skip.copy()
+        self.start = c.start if c else 0
+        self.order: dict[str, Any] | None = c.order if c else None  # see global_order
+        # An IterableDataset's pass: worker w's k-th batch is the pass's item k * workers + w
+        # (WorkerSource's numbering; one stream with no workers). Per worker, what was received.
+        self.received_before = c.streams if c else None  # what a resumed stream drops
+        before = self.received_before or [Progress() for _ in range(workers)]
+        self.streams_done = [received.copy() for received in before]
+        self.restored = (c.stream_states if c else None) or (None,) * len(before)
+        self._stream_snapshots = [Snapshots() for _ in before]
+        # A map-style dataset read from ``copies`` worker copies (copies.py): the state each
+        # begins the pass from (resumed, or ``carried`` over by persistent workers), then after
+        # the last of its batches the user received; and the states after batches in flight.
+        starts = c.worker_datasets if c and c.worker_datasets is not None else carried
+        self.copies = copies
+        self.worker_datasets = list(starts) if starts is not None else [None] * copies
+        self._copy_records: dict[int, tuple[int, Any]] = {}
+        self._skip_later = sorted(self.skip.later)
+        self._taken = 0
+        self._stateful: Any = None
+        self._snapshots = Snapshots()  # a stateful sampler's
+        self._lock = threading.Lock()
+        self._replay: _Replay | None = None
+        self._fresh: Callable[[], Iterator[Any]] | None = None  # the replayed sampler, anew
+        self._draw_lock = threading.Lock()  # one draw at a time, none once the pass is settled
+        self._drawn = 0  # next() calls on the index stream, the one that ended it included
+        self._exhausted = False
+        self._settled = False
+
+    # -- source side ------------------------------------------------------------------------
+    def track(self, index_sampler: Any, created: Iterator[Any], prime: bool) -> Iterator[Any]:
+        """The pass's index stream, built from ``index_sampler`` (``created`` is the iterator
+        torch's ``_BaseDataLoaderIter`` made of it, used as is where we need not rebuild it).
+
+        ``prime`` starts a replayed sampler now, in the calling thread, as torch's worker
+        iterator does when it prefetches: its seed draw never races the user's own draws.
+        """
+        batches = self._batches(index_sampler, created)
+        self._stateful = stateful_sampler(index_sampler)
+        if self._stateful is not None:
+            self._snapshot(self.start)
+        if prime and self._replay is not None:
+            self._replay.start()
+        return self._skipping(batches)
+
+    def _samples(self, sampler: Any) -> Iterable[Any]:
+        if not replayable(sampler):
+            return iter(sampler)
+        self._replay = _Replay(sampler, self)
+        return self._replay
+
+    def _batches(self, index_sampler: Any, created: Iterator[Any]) -> Iterable[Any]:
+        if is_stateful(index_sampler):
+            return created
+        if type(index_sampler) is BatchSampler:
+            # torch's own BatchSampler over our iterator of its sampler: same grouping code
+            inner = self._samples(index_sampler.sampler)
+            size, drop_last = index_sampler.batch_size, index_sampler.drop_last
+            self._fresh = lambda: iter(BatchSampler(index_sampler.sampler, size, drop_last))
+            return iter(BatchSampler(inner, size, drop_last))
+        if replayable(index_sampler):
+            self._fresh = lambda: iter(index_sampler)
+            return self._samples(index_sampler)
+        return created
+
+    def _skipping(self, batches: Iterable[Any]) -> Iterator[Any]:
+        number = self.start
+        stream = iter(batches)
+        while True:
+            with self._draw_lock:
+                if self._settled:  # the pass was given up: the sampler stays where it was left
+                    return
+                self._drawn += 1
+                batch = next(stream, _END)
+                self._exhausted = batch is _END
+            if batch is _END:
+                return
+            number += 1
+            if self._stateful is not None and number % self.snapshot_every == 0:
+                self._snapshot(number)
+            if number - 1 not in self.skip:
+                yield batch
+
+    def settle(self) -> None:
+        """The pass is given up (``break``, ``close()``, the iterator dropped, a persistent
+        iterator's next pass): leave the sampler's generator where torch's loader leaves it.
+
+        torch reads ``num_workers * prefetch_factor`` batches ahead and then one per batch it
+        hands over, so after ``k`` batches its sampler has been read ``window + k`` times, and a
+        RandomSampler that was read to its end has drawn its next permutation. Our source reads
+        ahead as far as thread timing lets it; a sampler generator left there would make the
+        next epoch depend on that timing. So: no draw after this, and where the count differs,
+        the generator goes back to where the pass began and the same sampler code draws torch's
+        count again. Only a replayed sampler with a generator of its own needs it (one without
+        draws its pass's seed once, at the start).
+        """
+        with self._draw_lock:
+            if self._settled:
+                return
+            self._settled = True
+            rng, fresh, replay = self.sampler_rng, self._fresh, self._replay
+            if self.finished or rng is None or rng[0] != "state" or fresh is None:
+                return
+            if replay is None or replay.generator is None:  # its generator is the pass's own
+                return
+            target = self.window + len(self.done)
+            if target == self._drawn or (self._exhausted and target >= self._drawn):
+                return
+            set_generator_state(replay.generator, rng[1])
+            stream = fresh()
+            for _ in range(target):
+                if next(stream, _END) is _END:
+                    break
+
+    def _snapshot(self, drawn: int) -> None:
+        """The sampler's state once ``drawn`` batches have come out of it."""
+        state = copy.deepcopy(self._stateful.state_dict())
+        with self._lock:
+            self._snapshots.put(drawn, state)
+
+    # -- consumer side ----------------------------------------------------------------------
+    def took(self) -> None:
+        """``num_workers=0``: the caller took the next index batch from the stream."""
+        self.delivered(self._taken)
+        self._taken += 1
+
+    def delivered(self, position: int | None) -> None:
+        """The item at ``position`` of this pass's stream reached the user (or raised)."""
+        if position is None:
+            return
+        if not self.tracked:
+            worker, number = position % len(self.streams_done), position // len(self.streams_done)
+            done = self.streams_done[worker]
+            done.add(number)
+            with self._lock:
+                self._stream_snapshots[worker].prune(done.prefix)
+            return
+        self.done.add(self.number_of(position))
+        if self._stateful is not None:
+            with self._lock:
+                self._snapshots.prune(self.done.prefix)
+        if self.copies:
+            with self._lock:  # a copy's batches reach the user in the order it read them
+                found = self._copy_records.pop(position, None)
+                if found is not None:
+                    self.worker_datasets[found[0]] = found[1]
+
+    def keep_copy(self, position: int, copy: int, state: Any) -> None:
+        """Worker copy ``copy``'s dataset state after the batch at ``position`` of the pass."""
+        with self._lock:
+            self._copy_records[position] = (copy, state)
+
+    def copy_states(self) -> list[Any]:
+        """The state each worker copy goes on from: after the last of its batches the user
+        received (a persistent worker's next pass begins there, whatever it read ahead)."""
+        with self._lock:
+            return list(self.worker_datasets)
+
+    def number_of(self, position: int) -> int:
+        """The batch number of the ``position``-th batch the stream yields: the skipped ones
+        are all below ``skip.prefix`` or in ``skip.later``."""
+        number = self.skip.prefix + position
+        for skipped in self._skip_later:
+            if skipped > number:
+                break
+            number += 1
+        return number
+
+    # -- an IterableDataset's streams ------------------------------------------------------
+    def stream(
+        self, worker: int, dataset: Any, batches_of: Callable[[Any], Iterable[Any]]
+    ) -> Iterable[Any]:
+        """Worker ``worker``'s batches this pass, from its ``dataset`` (its copy, or shard).
+
+        A dataset or iterator with ``state_dict``/``load_state_dict`` (torchdata's protocol) is
+        restored to where a resumed pass recorded it, and recorded every ``snapshot_every``
+        batches; a stream without state is read again from its start. Either way, batches
+        received before the state are dropped in their places (:meth:`resumed`).
+        """
+        keep = functools.partial(self.keep_stream, worker)
+        batches, start = recorded_stream(
+            dataset, self.restored[worker], self.snapshot_every, batches_of, keep
+        )
+        return self.resumed(worker, batches, start)
+
+    def resumed(self, worker: int, batches: Iterable[Any], start: int) -> Iterable[Any]:
+        """``batches`` of worker ``worker``, which begin after ``start`` (restored there), less
+        those received before the state (:class:`SkipReceived`)."""
+        received = None if self.received_before is None else self.received_before[worker]
+        if start == 0 and (received is None or not len(received)):
+            return batches
+        return SkipReceived(batches, received or Progress(), start)
+
+    def keep_stream(self, worker: int, state: dict[str, Any]) -> None:
+        """A record of worker ``worker``'s stream (:func:`~torch_spdl.stream_state.state_of`)."""
+        with self._lock:
+            self._stream_snapshots[worker].put(int(state["at"]), state)
+
+    def ended_streams(self) -> list[dict[str, Any] | None]:
+        """Each worker stream's dataset state at the end of this finished pass, as a restored
+        state for the next pass's copies (a persistent worker keeps its copy from pass to pass);
+        None for a stream that recorded none."""
+        with self._lock:
+            ends = [snapshots.last() for snapshots in self._stream_snapshots]
+        return [
+            None
+            if end is None or end["dataset"] is None
+            else {"at": 0, "dataset": end["dataset"], "iterator": None}
+            for end in ends
+        ]
+
+    def _streams_state(self) -> dict[str, Any]:
+        with self._lock:
+            usable = [
+                snapshots.usable(done.prefix)
+                for snapshots, done in zip(self._stream_snapshots, self.streams_done, strict=True)
+            ]
+            states = [None if found is None else copy.deepcopy(found[1]) for found in usable]
+        return {
+            "base_seed": self.base_seed,
+            "generator": self.generator,
+            "epoch": None if self.epoch is None else {"epoch": self.epoch},
+            "streams": [done.state() for done in self.streams_done],
+            "stream_states": [
+                restored if state is None else state
+                for state, restored in zip(states, self.restored, strict=True)
+            ],
+        }
+
+    def state(self) -> dict[str, Any]:
+        if not self.tracked:
+            return self._streams_state()
+        sampler_state = None
+        if self._stateful is not None:
+            with self._lock:
+                usable = self._snapshots.usable(self.done.prefix)
+                assert usable is not None  # the one at the pass's start is never pruned
+                sampler_state = {"at": usable[0], "state": copy.deepcopy(usable[1])}
+        return {
+            "base_seed": self.base_seed,
+            "generator": self.generator,
+            "sampler_rng": None if self.sampler_rng is None else list(self.sampler_rng),
+            "epoch": None if self.epoch is None else {"epoch": self.epoch},
+            "yielded": self.done.state(),
+            "sampler_state": sampler_state,
+            "global": self.order,
+            "worker_datasets": copy.deepcopy(self.copy_states()) if self.copies else None,
+        }
+
+
+# -- an IterableDataset's pass, resumed -----------------------------------------------------------
+class SkipReceived:
+    """One worker's batches in a resumed pass: those received before the state become
+    :data:`~torch_spdl.failures.SKIPPED` in their place, so each keeps its position in the
+    round robin over workers and the rest come in the uninterrupted run's order. A stream
+    restored to its state after ``start`` batches gives SKIPPED for those without reading.
+
+    An iterator object, not a generator: a batch that raises leaves it usable, as the worker's
+    own iterator is (a batch that raised counts as received, and is skipped without raising).
+    """
+
+    def __init__(self, batches: Iterable[Any], received: Progress, start: int = 0) -> None:
+        self._batches = iter(batches)
+        self._received = received
+        self._start = start
+        self._number = 0
+
+    def __iter__(self) -> SkipReceived:
+        return self
+
+    def __next__(self) -> Any:
+        number = self._number
+        if number < self._start:
+            self._number += 1
+            return SKIPPED
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise
+        except Exception:
+            self._number += 1
+            if number in self._received:
+                return SKIPPED
+            raise
+        self._number += 1
+        return SKIPPED if number in self._received else batch
