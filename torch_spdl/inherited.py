@@ -10,16 +10,25 @@ fails, a large one that ``Image.MAX_IMAGE_PIXELS = None`` allowed raises
 ``DecompressionBombError``, tensors made with ``torch.tensor`` take another dtype, and warnings
 the script silenced come back. :func:`capture` takes those settings where the pool starts and
 :func:`apply` sets them in each worker before ``worker_init_fn``.
+
+A forked worker also has its forking thread's thread-local state, of which the grad mode
+matters: a loop under ``torch.no_grad()`` or ``torch.inference_mode()`` (an evaluation) gets
+samples made without autograd, and ``default_collate``'s stacking into shared memory, which
+refuses tensors that require grad, works. A new thread starts with grad enabled, so
+:func:`in_thread` gives each thread the loader starts its starter's grad mode (inference mode as
+grad disabled: its tensors could not be used by a later training pass of persistent workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +40,10 @@ class Settings:
     default_dtype: torch.dtype
     pil: tuple[Any, bool] | None  # Image.MAX_IMAGE_PIXELS and ImageFile.LOAD_TRUNCATED_IMAGES
     warning_filters: list[Any]  # those that can travel (a category of __main__'s may not)
+    grad_enabled: bool  # the capturing thread's, which the loader's threads have from its starter
+    deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=)
+    matmul_precision: str  # set_float32_matmul_precision
+    anomaly: tuple[bool, bool]  # set_detect_anomaly(mode, check_nan)
 
 
 def capture() -> Settings:
@@ -39,7 +52,18 @@ def capture() -> Settings:
     pil = None
     if image is not None and image_file is not None:
         pil = (image.MAX_IMAGE_PIXELS, bool(image_file.LOAD_TRUNCATED_IMAGES))
-    return Settings(torch.get_default_dtype(), pil, [f for f in warnings.filters if _travels(f)])
+    return Settings(
+        torch.get_default_dtype(),
+        pil,
+        [f for f in warnings.filters if _travels(f)],
+        torch.is_grad_enabled(),
+        (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        torch.get_float32_matmul_precision(),
+        (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+    )
 
 
 def _travels(value: Any) -> bool:
@@ -53,6 +77,11 @@ def _travels(value: Any) -> bool:
 def apply(settings: Settings) -> None:
     """Set ``settings`` in this (worker) process."""
     torch.set_default_dtype(settings.default_dtype)
+    torch.set_grad_enabled(settings.grad_enabled)
+    mode, warn_only = settings.deterministic
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    torch.set_float32_matmul_precision(settings.matmul_precision)
+    torch.autograd.set_detect_anomaly(*settings.anomaly)
     if settings.pil is not None:
         from PIL import Image, ImageFile
 
@@ -68,3 +97,19 @@ def apply(settings: Settings) -> None:
 def _text(pattern: Any) -> str:
     """A filter's pattern, compiled or not, as ``filterwarnings`` takes it ("" for any)."""
     return "" if pattern is None else getattr(pattern, "pattern", pattern)
+
+
+Target = TypeVar("Target", bound=Callable[..., Any])
+
+
+def in_thread(target: Target) -> Target:
+    """``target``, to run in a new thread with the calling thread's grad mode, as a worker forked
+    from the calling thread would have it (see the module's docstring)."""
+    grad_enabled = torch.is_grad_enabled()
+
+    @functools.wraps(target)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        torch.set_grad_enabled(grad_enabled)
+        return target(*args, **kwargs)
+
+    return run  # type: ignore[return-value]

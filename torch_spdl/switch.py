@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .auto import INLINE, PROCESS, THREAD, Decision, Trial
+from .inherited import in_thread
 from .processes import PoolStarter, ProcessPool
 
 
@@ -118,7 +119,7 @@ class Switch:
             self._keep(decision)  # processes that come up after this pass serve the next
             if decision.executor == PROCESS:
                 self._starter = threading.Thread(
-                    target=self._start_pool, name="torch_spdl.auto-start", daemon=False
+                    target=in_thread(self._start_pool), name="torch_spdl.auto-start", daemon=False
                 )
                 self._starter.start()
             else:

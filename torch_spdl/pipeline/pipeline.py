@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+from ..inherited import in_thread
 from .channel import Channel, Slots, Stopped, StopSignal
 from .items import Failure
 from .ordering import EpochEnd, Sink
@@ -119,7 +120,9 @@ class _Runtime:
     # -- building ---------------------------------------------------------------------------
     def _thread(self, target: Any, name: str, *args: Any) -> None:
         self.threads.append(
-            threading.Thread(target=target, name=f"{self.name}:{name}", args=args, daemon=True)
+            threading.Thread(
+                target=in_thread(target), name=f"{self.name}:{name}", args=args, daemon=True
+            )
         )
 
     def _channel(self, capacity: int, producers: int, last: bool = False) -> Channel:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..inherited import in_thread
 from .channel import Channel, Closed, Slots, Stopped, StopSignal
 from .items import End, Failure, is_control
 from .stats import InFlight, StageStats, WorkerRecord, call_timed
@@ -245,8 +246,8 @@ class AsyncStageRunner:
 
     def threads(self, name: str) -> list[threading.Thread]:
         return [
-            threading.Thread(target=self._run_loop, name=f"{name}:loop", daemon=True),
-            threading.Thread(target=self._feed, name=f"{name}:feeder", daemon=True),
+            threading.Thread(target=in_thread(self._run_loop), name=f"{name}:loop", daemon=True),
+            threading.Thread(target=in_thread(self._feed), name=f"{name}:feeder", daemon=True),
         ]
 
     def _call_in_loop(self, callback: Callable[[], None]) -> None:

@@ -1,0 +1,160 @@
+"""What a worker has of the thread and process that start it, as torch's forked workers have it:
+the grad mode of the thread that iterates (an evaluation under ``torch.no_grad()``), and, in
+worker processes, the process-wide settings a fresh interpreter would not have."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+from torch.utils.data import Dataset
+
+import torch_spdl
+from torch_spdl import StagedDataset, inherited
+
+
+class Embeds(Dataset):
+    """Features from a frozen encoder in ``__getitem__``: its parameters require grad, as any
+    ``nn.Module``'s do, so a sample made with grad enabled requires grad, and
+    ``default_collate`` in a worker, which stacks into shared memory, refuses it."""
+
+    def __init__(self) -> None:
+        self.encoder = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            self.encoder.weight.copy_(torch.arange(12.0).view(3, 4))
+            self.encoder.bias.zero_()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.encoder(torch.full((4,), float(index)))
+
+
+class StagedEmbeds(StagedDataset, Embeds):
+    """The same, the encoder run in ``preprocess`` and the sample collated in the main process."""
+
+    def load(self, index: int) -> torch.Tensor:
+        return torch.full((4,), float(index))
+
+    def preprocess(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.encoder(raw)
+
+
+class GradMode(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([torch.is_grad_enabled(), torch.is_inference_mode_enabled()])
+
+
+def batches(loader: Any, mode: Any) -> list[tuple[list[list[float]], bool]]:
+    with mode():
+        return [(batch.tolist(), batch.requires_grad) for batch in loader]
+
+
+MODES = [
+    pytest.param(torch.no_grad, id="no_grad"),
+    pytest.param(torch.inference_mode, id="inference_mode"),
+]
+METHODS = ["thread", "process", "auto"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dataset_type", [Embeds, StagedEmbeds])
+def test_an_evaluation_under_no_grad_gets_torchs_batches(dataset_type, method, mode, no_child_left):
+    """torch's workers, forked from the iterating thread, run without autograd: the samples do not
+    require grad and collate. Worker threads start with grad enabled; the loader's have their
+    starter's mode."""
+    dataset = dataset_type()
+    want = batches(tud.DataLoader(Embeds(), batch_size=4, num_workers=2), mode)
+    loader = torch_spdl.DataLoader(dataset, batch_size=4, num_workers=2, worker_method=method)
+    assert batches(loader, mode) == want
+    assert all(not requires_grad for _, requires_grad in want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_workers_see_the_grad_mode_torchs_forked_workers_see(method, no_child_left):
+    """Enabled where the loop iterates with grad, disabled under ``no_grad``. Inference mode
+    reaches them as grad disabled only: an inference tensor from a persistent worker would break
+    a later training pass, where torch's worker sends a plain tensor across."""
+    loader = torch_spdl.DataLoader(GradMode(), batch_size=4, num_workers=2, worker_method=method)
+    assert torch.cat(list(loader)).tolist() == [[True, False]] * 8
+    with torch.no_grad():
+        assert torch.cat(list(loader)).tolist() == [[False, False]] * 8
+    with torch.inference_mode():
+        assert torch.cat(list(loader)).tolist() == [[False, False]] * 8
+
+
+def test_a_thread_started_by_in_thread_has_its_starters_grad_mode():
+    import threading
+
+    seen: list[bool] = []
+    with torch.no_grad():
+        target = inherited.in_thread(lambda: seen.append(torch.is_grad_enabled()))
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    plain = threading.Thread(target=lambda: seen.append(torch.is_grad_enabled()))
+    plain.start()
+    plain.join()
+    assert seen == [False, True]
+
+
+@pytest.fixture
+def settings_restored():
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_float32_matmul_precision(precision)
+
+
+def test_process_wide_settings_travel_to_a_worker_process_and_take_effect(settings_restored):
+    """Deterministic algorithms and the float32 matmul precision, set by the script before the
+    loader starts, are what a fresh worker process is given (``apply`` here plays the worker)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    with torch.no_grad():
+        settings = pickle.loads(pickle.dumps(inherited.capture()))
+    torch.use_deterministic_algorithms(False)
+    torch.set_float32_matmul_precision("highest")
+    inherited.apply(settings)
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.get_float32_matmul_precision() == "medium"
+        assert not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+
+
+class Precision(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(
+            [
+                torch.are_deterministic_algorithms_enabled(),
+                torch.get_float32_matmul_precision() == "medium",
+            ]
+        )
+
+
+def test_worker_processes_run_with_the_scripts_process_wide_settings(
+    settings_restored, no_child_left
+):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    want = torch.cat(list(tud.DataLoader(Precision(), batch_size=2, num_workers=2))).tolist()
+    loader = torch_spdl.DataLoader(
+        Precision(), batch_size=2, num_workers=2, worker_method="process"
+    )
+    assert torch.cat(list(loader)).tolist() == want == [[True, True]] * 4
