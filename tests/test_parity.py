@@ -14,6 +14,7 @@ import asyncio
 import functools
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1112,3 +1113,83 @@ def test_torchvision_image_folder(image_folder, num_workers, in_order):
         got.sort(key=lambda batch: batch[0].sum().item())
         want.sort(key=lambda batch: batch[0].sum().item())
     assert_image_batches_equal(got, want)
+
+
+# -- batches the training loop may change in place ------------------------------------------------
+class Windows(tud.IterableDataset):
+    """Language-model windows: slices of one token tensor (views of it), split by worker."""
+
+    def __init__(self) -> None:
+        self.tokens = torch.arange(24)
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for start in range(worker * 4, 24, workers * 4):
+            yield self.tokens[start : start + 4]
+
+
+def masked_epochs(loader: Any) -> list[list[int]]:
+    """Two epochs, each batch seen, then masked in place as an MLM training loop does."""
+    seen = []
+    for _ in range(2):
+        for batch in loader:
+            for tensor in tensors_in(batch):
+                seen.append(tensor.tolist())
+                tensor[..., 0] = -1
+    return seen
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    return [tensor for item in batch for tensor in tensors_in(item)]
+
+
+def as_they_are(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+DATASETS = {
+    "TensorDataset": lambda: tud.TensorDataset(torch.arange(12).view(6, 2)),
+    "IterableDataset": Windows,
+}
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "worker_method"), [(0, "auto"), (2, "auto"), (2, "thread"), (2, "process")]
+)
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+@pytest.mark.parametrize(
+    "batching",
+    [
+        pytest.param({"batch_size": None}, id="batch_size=None"),
+        pytest.param({"batch_size": 2, "collate_fn": as_they_are}, id="pass-through"),
+    ],
+)
+def test_a_batch_changed_in_place_leaves_the_dataset_as_torchs_loader_does(
+    batching, dataset, num_workers, worker_method
+):
+    """torch's worker processes hand over copies, so masking a batch in place leaves the dataset
+    as it was; with ``num_workers=0`` the batch is the dataset's own memory, in torch as here."""
+    want = masked_epochs(tud.DataLoader(DATASETS[dataset](), num_workers=num_workers, **batching))
+    loader = torch_spdl.DataLoader(
+        DATASETS[dataset](), num_workers=num_workers, worker_method=worker_method, **batching
+    )
+    assert to_py(masked_epochs(loader)) == to_py(want)
+
+
+def test_owned_copies_views_only_and_keeps_the_structure():
+    from collections import namedtuple
+
+    from torch_spdl.batching import owned
+
+    Pair = namedtuple("Pair", "a b")
+    base = torch.arange(10)
+    fresh = torch.arange(3)
+    batch = {"row": base[2:4], "fresh": fresh, "pair": Pair(base[:5], "text"), "n": 3}
+    got = owned(batch)
+    assert got["fresh"] is fresh  # fills its own memory: not copied again
+    assert type(got["pair"]) is Pair and got["pair"].b == "text" and got["n"] == 3
+    for copied, view in ((got["row"], base[2:4]), (got["pair"].a, base[:5])):
+        assert torch.equal(copied, view) and copied.data_ptr() != view.data_ptr()

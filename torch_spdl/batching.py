@@ -12,18 +12,47 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.utils.data import default_collate
+
 from .failures import SKIPPED, FailureBudget, Step, gather
 from .pipeline import Failure
+from .transfer import map_tensors
 from .workers import single_threaded_kernels
 
 Collate = Callable[[Any], Any]
 
 
-def finisher(collate_fn: Collate, pin: Collate | None) -> Collate:
-    """``collate_fn``, then ``pin`` where batches are pinned (see ``DataLoader``'s ``_pinner``)."""
-    if pin is None:
-        return collate_fn
-    return lambda data: pin(collate_fn(data))
+def finisher(collate_fn: Collate, pin: Collate | None, own: bool = False) -> Collate:
+    """``collate_fn``, then ``pin`` where batches are pinned (see ``DataLoader``'s ``_pinner``),
+    or, where ``own`` asks for it, :func:`owned`. ``default_collate`` needs neither: it stacks
+    every tensor into a new one."""
+    if pin is not None:
+        return lambda data: pin(collate_fn(data))
+    if own and collate_fn is not default_collate:
+        return lambda data: owned(collate_fn(data))
+    return collate_fn
+
+
+def owned(batch: Any) -> Any:
+    """``batch`` with each CPU tensor that is a view into a larger one copied.
+
+    A batch from torch's worker process is a copy, so a training loop may change it in place
+    (mask tokens, normalise) without touching the dataset. A worker thread's batch is what
+    ``collate_fn`` returned: with ``batch_size=None`` (``default_convert``) or a ``collate_fn``
+    that passes samples through, a row of a ``TensorDataset`` is a view of the dataset's tensor,
+    and an in-place change would reach the next epoch. A tensor that fills its own memory is
+    left alone: what ``collate_fn`` made is not copied twice.
+    """
+    return map_tensors(batch, _owned)
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        return tensor
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone()
 
 
 # -- batch-level tasks (no hooks) ----------------------------------------------------------------

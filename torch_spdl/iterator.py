@@ -99,7 +99,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             copies=self._num_workers > 0 and plan.executor != PROCESS,  # a process has its own
         )
         self._transfer = self._device_transfer(loader)
-        self._finish = finisher(self._collate_fn, self._pinner())
+        # torch's workers hand over copies; worker threads, what collate_fn returned
+        self._finish = finisher(self._collate_fn, self._pinner(), own=loader.num_workers > 0)
         self._budget = FailureBudget(loader.max_failures)
         self._clock = ConsumerClock()
         self.stats_probe = StatsProbe(self._clock, self._budget, plan)
