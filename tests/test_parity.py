@@ -1193,3 +1193,57 @@ def test_owned_copies_views_only_and_keeps_the_structure():
     assert type(got["pair"]) is Pair and got["pair"].b == "text" and got["n"] == 3
     for copied, view in ((got["row"], base[2:4]), (got["pair"].a, base[:5])):
         assert torch.equal(copied, view) and copied.data_ptr() != view.data_ptr()
+
+
+# -- copies of a loader ---------------------------------------------------------------------------
+class Squares(torch_spdl.StagedDataset):
+    def __len__(self) -> int:
+        return 12
+
+    def load(self, index: int) -> int:
+        return index
+
+    def preprocess(self, raw: int) -> torch.Tensor:
+        return torch.tensor(raw * raw)
+
+
+COPIED = [
+    pytest.param({"num_workers": 0}, id="no-workers"),
+    pytest.param({"num_workers": 2}, id="threads"),
+    pytest.param({"num_workers": 2, "persistent_workers": True}, id="persistent"),
+    pytest.param({"num_workers": 2, "worker_method": "process"}, id="processes"),
+]
+
+
+@pytest.mark.parametrize("copy_of", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("kwargs", COPIED)
+def test_a_loader_copied_after_a_pass_goes_on_as_torchs_copy_does(kwargs, copy_of, no_child_left):
+    """Pickled or deep-copied after a pass (libraries copy loaders for sweeps and for workers of
+    their own), the copy keeps the generator's state: its next pass is torch's copy's next."""
+    import copy
+    import pickle
+
+    copier = {"pickle": lambda x: pickle.loads(pickle.dumps(x)), "deepcopy": copy.deepcopy}[copy_of]
+    torch_kwargs = {k: v for k, v in kwargs.items() if k != "worker_method"}
+
+    def make(kind: Any, **more: Any) -> Any:
+        generator = torch.Generator().manual_seed(5)
+        return kind(Squares(), batch_size=4, shuffle=True, generator=generator, **more)
+
+    theirs, ours = make(tud.DataLoader, **torch_kwargs), make(torch_spdl.DataLoader, **kwargs)
+    assert to_py(list(ours)) == to_py(list(theirs))
+    running, theirs._iterator = theirs._iterator, None  # torch cannot copy its worker processes
+    their_copy, our_copy = copier(theirs), copier(ours)
+    theirs._iterator = running
+    assert to_py(list(our_copy)) == to_py(list(their_copy))
+    assert to_py(list(ours)) == to_py(list(theirs))  # the original goes on as before
+
+
+def test_a_copied_loader_starts_its_cache_empty_and_fills_it_again():
+    import copy
+
+    loader = torch_spdl.DataLoader(Squares(), batch_size=4, num_workers=2, cache_bytes=1 << 20)
+    want = to_py(list(loader))
+    copied = copy.deepcopy(loader)
+    assert copied._cache is None
+    assert to_py(list(copied)) == want and copied._cache is not None

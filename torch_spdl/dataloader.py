@@ -247,6 +247,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 "without hooks a worker process reads whole batches, and cannot skip samples"
             )
 
+    # -- copies -----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickled or deep-copied loader keeps: its configuration and what ``"auto"``
+        decided, as torch's loader keeps its own. Not the runtime of its latest pass, which holds
+        threads and locks: its persistent iterator, the record ``state_dict()`` reads, its
+        figures, the watch on its dataset; a cache starts empty. The copy's next pass starts as
+        a new loader's would, from the copied generator; ``state_dict()`` carries progress."""
+        state = self.__dict__.copy()
+        state.update(_iterator=None, _pass=None, _stats_probe=None, _watch=None)
+        if state["_cache"] is not None:
+            state.update(_cache=None, _preloaded=False)  # made anew by the copy's first pass
+        return state
+
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
         if self.cache_bytes is None and not self.preload:
