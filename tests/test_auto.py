@@ -626,6 +626,76 @@ def test_auto_starts_no_worker_for_a_script_read_from_stdin(monkeypatch, tmp_pat
     assert starter.unsafe() is None
 
 
+GUARDED_SCRIPT = """
+import torch
+
+class Defined:
+    pass
+
+if __name__ == "__main__":
+    class NotebookSamples:
+        pass
+    try:
+        def notebook_transform(value):
+            return value
+    finally:
+        pass
+    class Defined:  # defined at the top level too: the workers have it
+        pass
+else:
+    def elsewhere():
+        pass
+"""
+
+
+@pytest.mark.parametrize("held", ["class", "function", "nothing"])
+def test_auto_starts_no_worker_that_could_not_unpickle_what_the_main_guard_defines(
+    monkeypatch, tmp_path, held
+):
+    """A dataset class or function defined under the script's main guard is an attribute of
+    ``__main__`` here, but the workers' main module runs without the guard's body: they could not
+    unpickle it (torch's forked workers have it)."""
+    import functools
+
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.main_script import _guarded_definitions
+    from torch_spdl.processes import PoolStarter
+
+    script = tmp_path / "train.py"
+    script.write_text(GUARDED_SCRIPT)
+    main = notebook_main(monkeypatch)
+    main.__file__ = str(script)
+    assert _guarded_definitions(str(script)) == {"NotebookSamples", "notebook_transform"}
+    dataset = NotebookSamples(4) if held == "class" else Indices(4)
+    collate = functools.partial(notebook_transform) if held == "function" else None
+    starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, None, None, None)
+    if held == "nothing":
+        assert starter.unsafe() is None
+        return
+    name = {"class": "NotebookSamples", "function": "notebook_transform"}[held]
+    assert starter.unsafe() == (
+        f"worker processes cannot unpickle {name}: defined under the main script's "
+        '`if __name__ == "__main__":` guard, which they do not run (define it at the script\'s '
+        "top level, or in a module)"
+    )
+    with pytest.raises(RuntimeError, match=f"worker_method='process' cannot start .*{name}"):
+        starter()
+
+
+def test_a_script_that_defines_nothing_under_its_guard_is_not_pickled_to_look(
+    monkeypatch, tmp_path
+):
+    from torch_spdl import main_script
+    from torch_spdl.jobs import FetchJob
+
+    script = tmp_path / "train.py"
+    script.write_text("class Samples:\n    pass\nif __name__ == '__main__':\n    main()\n")
+    main = notebook_main(monkeypatch)
+    main.__file__ = str(script)
+    monkeypatch.setattr(main_script, "contents", lambda job: pytest.fail("pickled to look"))
+    assert main_script.unreachable_main(FetchJob(NotebookSamples(4), True, None)) is None
+
+
 def test_forked_workers_need_no_main_module(monkeypatch):
     import multiprocessing
 
