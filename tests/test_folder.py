@@ -86,3 +86,18 @@ def test_custom_loader_or_getitem_is_left_alone(folder):
 def test_user_hooks_take_precedence(folder):
     loader = DataLoader(image_folder(folder), preprocess_fn=lambda sample: sample, num_workers=2)
     assert not isinstance(getattr(loader._hooks.load, "__self__", None), FolderHooks)
+
+
+@pytest.mark.parametrize(("num_workers", "method"), [(0, "auto"), (2, "thread"), (2, "process")])
+def test_a_file_pillow_cannot_read_is_named_by_its_path_as_in_torch(tmp_path, num_workers, method):
+    from PIL import UnidentifiedImageError
+
+    (tmp_path / "cls").mkdir()
+    for k in range(4):
+        Image.new("RGB", (8, 8)).save(tmp_path / "cls" / f"{k}.png")
+    bad = tmp_path / "cls" / "2.png"
+    bad.write_bytes(b"not an image")
+    for kind, more in ((torch.utils.data.DataLoader, {}), (DataLoader, {"worker_method": method})):
+        loader = kind(image_folder(tmp_path), batch_size=2, num_workers=num_workers, **more)
+        with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file .*{bad}"):
+            list(loader)

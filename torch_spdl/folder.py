@@ -23,14 +23,14 @@ class FolderHooks:
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
-    def load(self, index: int) -> tuple[bytes, Any]:
+    def load(self, index: int) -> tuple[bytes, Any, str]:
         path, target = self.dataset.samples[index]
         with open(path, "rb") as file:
-            return file.read(), target
+            return file.read(), target, path
 
-    def preprocess(self, raw: tuple[bytes, Any]) -> tuple[Any, Any]:
-        data, target = raw
-        sample = Image.open(io.BytesIO(data)).convert("RGB")  # what pil_loader returns
+    def preprocess(self, raw: tuple[bytes, Any, str]) -> tuple[Any, Any]:
+        data, target, path = raw
+        sample = Image.open(_File(data, path)).convert("RGB")  # what pil_loader returns
         if self.dataset.transform is not None:
             sample = self.dataset.transform(sample)
         if self.dataset.target_transform is not None:
@@ -57,3 +57,15 @@ def folder_hooks(dataset: Any) -> FolderHooks | None:
     if dataset.loader is not default_loader or torchvision.get_image_backend() != "PIL":
         return None
     return FolderHooks(dataset)
+
+
+class _File(io.BytesIO):
+    """A file's bytes, named by its path where Pillow names the file it cannot read
+    ("cannot identify image file ..."), as it names the file ``pil_loader`` opens."""
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data)
+        self.path = path
+
+    def __repr__(self) -> str:
+        return repr(self.path)
