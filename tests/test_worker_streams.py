@@ -321,3 +321,39 @@ def test_the_loader_itself_never_warns_and_shows_torchs_samplers():
         warnings.simplefilter("error")
         for _ in range(2):
             assert sorted(x for b in loader for x in b.tolist()) == list(range(N))
+
+
+def test_code_that_reads_the_samplers_it_shows_gets_no_warning():
+    """Mapping predictions back to rows reads ``loader.sampler``; only another loader's iterator
+    reading it means the engine was replaced."""
+    loader = torch_spdl.DataLoader(range(N), batch_size=4, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sorted(loader.sampler) == list(range(N))
+        assert sorted(i for batch in loader.batch_sampler for i in batch) == list(range(N))
+        assert sorted(x for b in loader for x in b.tolist()) == list(range(N))
+
+
+def changed_in_place(cls: type) -> list[list[int]]:
+    """Samplers changed through the loader after it was built: torch's loader reads them."""
+    loader = cls(range(N), batch_size=4, shuffle=True)
+    loader.sampler.generator = torch.Generator().manual_seed(3)
+    loader.batch_sampler.batch_size = 5
+    loader.batch_sampler.drop_last = True
+    passes = [len(loader)] + [torch.cat(list(loader)).tolist() for _ in range(2)]
+    loader.sampler.data_source = range(7)
+    return [*passes, len(loader), torch.cat(list(loader)).tolist()]
+
+
+def test_the_samplers_it_shows_changed_in_place_change_what_it_reads_as_in_torch():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert changed_in_place(torch_spdl.DataLoader) == changed_in_place(tud.DataLoader)
+
+
+def test_a_copied_loader_reads_the_samplers_it_shows():
+    loader = copy.deepcopy(torch_spdl.DataLoader(range(N), batch_size=4, shuffle=True))
+    reference = copy.deepcopy(tud.DataLoader(range(N), batch_size=4, shuffle=True))
+    for each in (loader, reference):
+        each.sampler.generator = torch.Generator().manual_seed(3)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in reference]

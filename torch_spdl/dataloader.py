@@ -26,8 +26,10 @@ from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import PipelineBuilder
 from .plan import Plan, make_plan
 from .sampling import (
+    SHOWN_TYPES,
     AutoEpochSampler,
     distributed_samplers,
+    link_shown,
     shards_map_style,
     shown_sampler,
     splits_by_rank,
@@ -260,6 +262,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             state.update(_cache=None, _preloaded=False)  # made anew by the copy's first pass
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        own = self._own_samplers[0]
+        if self._builds_own and own is not self.sampler and type(own) in SHOWN_TYPES:
+            link_shown(self.sampler, own)  # pickling copied the attributes they shared
+
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
         if self.cache_bytes is None and not self.preload:
@@ -335,6 +343,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if isinstance(batch_sampler, BatchSampler):  # torch builds one from batch_size
             shown_batches = BatchSampler(shown, batch_sampler.batch_size, batch_sampler.drop_last)
             object.__setattr__(self, "batch_sampler", shown_batches)
+
+    def _follow_shown_batches(self) -> None:
+        """``batch_size`` or ``drop_last`` set on ``loader.batch_sampler`` after construction
+        reach the batch sampler the loader reads, as they reach torch's, which reads that one."""
+        shown, own = self.batch_sampler, self._own_samplers[1]
+        if self._builds_own and isinstance(own, BatchSampler) and own is not shown:
+            own.batch_size, own.drop_last = shown.batch_size, shown.drop_last
 
     @property
     def _index_sampler(self) -> Any:
@@ -433,12 +448,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.preload and not self._preloaded:
             self._preload()
         self._shard()
+        self._follow_shown_batches()
         if isinstance(self._own_samplers[0], AutoEpochSampler):
             self._own_samplers[0].begin_pass()
         return super().__iter__()
 
     def __len__(self) -> int:
         self._shard()
+        self._follow_shown_batches()
         ranks = self._rank_split()
         if ranks is None:
             return super().__len__()

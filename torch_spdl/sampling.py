@@ -23,9 +23,11 @@ processes has its own.
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,16 +112,33 @@ def distributed_samplers(loader: Any, rank: int, size: int) -> tuple[Any, Any]:
 
 # -- what the loader shows -------------------------------------------------------------------------
 class _Shown:
-    """A sampler as torch's loader shows it, for code other than the loader's own iterator; that
-    code iterating it means another loader has taken over, which is worth a warning, once."""
-
-    _warned = False
+    """A sampler as torch's loader shows it. Iterated by another ``DataLoader``'s iterator, it
+    means a loader rebuilt from this one has taken over, which is worth a warning, once; code of
+    the user's that reads it (``list(loader.sampler)``, to map predictions back to rows) gets
+    none, as from torch's loader."""
 
     def __iter__(self) -> Iterator[Any]:
-        if not self._warned:
-            self._warned = True
+        if self not in _WARNED and _read_by_another_loader():
+            _WARNED.add(self)
             warnings.warn(REBUILT.format(what="sampler"), RuntimeWarning, stacklevel=2)
         return super().__iter__()  # type: ignore[misc]
+
+
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # kept apart from the state it shares
+_TORCH_LOADER_FILE = torch.utils.data.dataloader.__file__
+
+
+def _read_by_another_loader() -> bool:
+    """Whether this thread is inside torch's ``DataLoader`` code for an object that is not
+    torch_spdl's: the iterator of a loader rebuilt from this one (accelerate's ``prepare``)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_filename == _TORCH_LOADER_FILE:
+            owner = frame.f_locals.get("self")
+            if not type(owner).__module__.startswith("torch_spdl"):
+                return True
+        frame = frame.f_back
+    return False
 
 
 class ShownRandomSampler(_Shown, RandomSampler):
@@ -134,14 +153,22 @@ _SHOWN: dict[type, type[_Shown]] = {
     RandomSampler: ShownRandomSampler,
     SequentialSampler: ShownSequentialSampler,
 }
+SHOWN_TYPES = tuple(_SHOWN)
 
 
 def shown_sampler(sampler: Any) -> Any:
-    """The same sampler (same state, the same generator object) as one that warns when it is
-    iterated: what the loader shows, while its own iterator reads ``sampler`` itself."""
+    """``sampler`` as one that warns when another loader iterates it: what the loader shows,
+    while its own iterator reads ``sampler`` itself. The two share their attributes (one
+    ``__dict__``), so a change made through ``loader.sampler`` (a ``generator`` set after the
+    loader was built) is one the loader reads."""
     shown = object.__new__(_SHOWN[type(sampler)])
-    shown.__dict__.update(vars(sampler))
+    link_shown(shown, sampler)
     return shown
+
+
+def link_shown(shown: Any, sampler: Any) -> None:
+    """Give ``shown`` the attributes of ``sampler`` themselves (again, in a copied loader)."""
+    shown.__dict__ = vars(sampler)
 
 
 # -- what is split already ------------------------------------------------------------------------
