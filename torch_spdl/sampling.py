@@ -131,12 +131,15 @@ _TORCH_LOADER_FILE = torch.utils.data.dataloader.__file__
 def _read_by_another_loader() -> bool:
     """Whether this thread is inside torch's ``DataLoader`` code for an object that is not
     torch_spdl's: the iterator of a loader rebuilt from this one (accelerate's ``prepare``)."""
+    from .dataloader import DataLoader  # imports this module
+    from .iterator import _ThreadDataLoaderIter
+
+    ours = (DataLoader, _ThreadDataLoaderIter)
     frame = inspect.currentframe()
     while frame is not None:
-        if frame.f_code.co_filename == _TORCH_LOADER_FILE:
-            owner = frame.f_locals.get("self")
-            if not type(owner).__module__.startswith("torch_spdl"):
-                return True
+        in_torch = frame.f_code.co_filename == _TORCH_LOADER_FILE
+        if in_torch and not isinstance(frame.f_locals.get("self"), ours):
+            return True
         frame = frame.f_back
     return False
 
