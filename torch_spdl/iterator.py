@@ -599,7 +599,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 return super().__next__()  # torch's own, inside its record_function region
             return self._next_unprofiled()
         except StopIteration:
-            self._pass.finished = True
+            self._pass.finish()
             raise
         except Exception as error:
             if self._pipeline is None:

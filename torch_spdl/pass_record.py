@@ -260,8 +260,13 @@ class _Replay:
             if saved[0] != "state":
                 raise ValueError("the state recorded a seed; this sampler has a generator")
             set_generator_state(sampler.generator, saved[1])
-        self._record.sampler_rng = ("state", generator_state(sampler.generator))
-        return iter(sampler)
+        state = generator_state(sampler.generator)
+        self._record.sampler_rng = ("state", state)
+        # The pass's indices come from a copy of the generator, read as far ahead as the
+        # threads go; the sampler's own moves as torch's reads move it (PassRecord.follow).
+        replica = copy.copy(sampler)
+        replica.generator = generator_of(("state", state))
+        return iter(replica)
 
 
 class PassRecord:
@@ -324,6 +329,10 @@ class PassRecord:
         self._drawn = 0  # next() calls on the index stream, the one that ended it included
         self._exhausted = False
         self._settled = False
+        # torch's reads of the sampler, on its own generator (see follow())
+        self._mirror: Iterator[Any] | None = None
+        self._mirrored = 0
+        self._mirror_ended = False
 
     # -- source side ------------------------------------------------------------------------
     def track(self, index_sampler: Any, created: Iterator[Any], prime: bool) -> Iterator[Any]:
@@ -339,6 +348,7 @@ class PassRecord:
             self._snapshot(self.start)
         if prime and self._replay is not None:
             self._replay.start()
+            self.follow()
         return self._skipping(batches)
 
     def _samples(self, sampler: Any) -> Iterable[Any]:
@@ -381,34 +391,39 @@ class PassRecord:
 
     def settle(self) -> None:
         """The pass is given up (``break``, ``close()``, the iterator dropped, a persistent
-        iterator's next pass): leave the sampler's generator where torch's loader leaves it.
-
-        torch reads ``num_workers * prefetch_factor`` batches ahead and then one per batch it
-        hands over, so after ``k`` batches its sampler has been read ``window + k`` times, and a
-        RandomSampler that was read to its end has drawn its next permutation. Our source reads
-        ahead as far as thread timing lets it; a sampler generator left there would make the
-        next epoch depend on that timing. So: no draw after this, and where the count differs,
-        the generator goes back to where the pass began and the same sampler code draws torch's
-        count again. Only a replayed sampler with a generator of its own needs it (one without
-        draws its pass's seed once, at the start).
-        """
+        iterator's next pass): its stream draws no more. The sampler's generator is already where
+        torch's loader leaves it (:meth:`follow`)."""
         with self._draw_lock:
-            if self._settled:
-                return
             self._settled = True
-            rng, fresh, replay = self.sampler_rng, self._fresh, self._replay
-            if self.finished or rng is None or rng[0] != "state" or fresh is None:
+
+    def follow(self, to_end: bool = False) -> None:
+        """Move a replayed sampler's own generator as torch's loader moves it.
+
+        torch reads ``num_workers * prefetch_factor`` batches ahead (``window``) and then one
+        per batch it hands over, so after ``k`` batches its sampler has been read ``window + k``
+        times, and a RandomSampler read past its end draws one more permutation. Our source
+        reads ahead as far as thread timing lets it, from a copy of the generator
+        (:class:`_Replay`); the sampler's own generator, which the next pass draws from (and any
+        other loader given it), is moved here, by torch's sampler code, on the consumer's side:
+        to ``window + k``, or past the end once the pass ends (``to_end``). A generator left
+        where the threads read to would make the next epoch depend on their timing.
+        """
+        rng, fresh = self.sampler_rng, self._fresh
+        if rng is None or rng[0] != "state" or fresh is None or self._mirror_ended:
+            return
+        if self._mirror is None:
+            self._mirror = fresh()
+        target = float("inf") if to_end else self.window + len(self.done)
+        while self._mirrored < target:
+            self._mirrored += 1
+            if next(self._mirror, _END) is _END:
+                self._mirror_ended = True
                 return
-            if replay is None or replay.generator is None:  # its generator is the pass's own
-                return
-            target = self.window + len(self.done)
-            if target == self._drawn or (self._exhausted and target >= self._drawn):
-                return
-            set_generator_state(replay.generator, rng[1])
-            stream = fresh()
-            for _ in range(target):
-                if next(stream, _END) is _END:
-                    break
+
+    def finish(self) -> None:
+        """The iterator raised StopIteration: torch's sampler was read past its end."""
+        self.finished = True
+        self.follow(to_end=True)
 
     def _snapshot(self, drawn: int) -> None:
         """The sampler's state once ``drawn`` batches have come out of it."""
@@ -434,6 +449,7 @@ class PassRecord:
                 self._stream_snapshots[worker].prune(done.prefix)
             return
         self.done.add(self.number_of(position))
+        self.follow()
         if self._stateful is not None:
             with self._lock:
                 self._snapshots.prune(self.done.prefix)
