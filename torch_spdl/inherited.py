@@ -57,12 +57,16 @@ def capture() -> Settings:
         pil,
         [f for f in warnings.filters if _travels(f)],
         torch.is_grad_enabled(),
-        (
-            torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(),
-        ),
+        _deterministic(),
         torch.get_float32_matmul_precision(),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+    )
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
     )
 
 
@@ -78,8 +82,9 @@ def apply(settings: Settings) -> None:
     """Set ``settings`` in this (worker) process."""
     torch.set_default_dtype(settings.default_dtype)
     torch.set_grad_enabled(settings.grad_enabled)
-    mode, warn_only = settings.deterministic
-    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    if settings.deterministic != _deterministic():  # the call costs a second: only to change it
+        mode, warn_only = settings.deterministic
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     torch.autograd.set_detect_anomaly(*settings.anomaly)
     if settings.pil is not None:
