@@ -9,6 +9,7 @@ import collections
 import copy
 import threading
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -357,3 +358,34 @@ def test_a_copied_loader_reads_the_samplers_it_shows():
     for each in (loader, reference):
         each.sampler.generator = torch.Generator().manual_seed(3)
     assert [b.tolist() for b in loader] == [b.tolist() for b in reference]
+
+
+def shard_by_worker(worker_id: int) -> None:
+    """What torch's docs have a datapipe's workers do."""
+    info = tud.get_worker_info()
+    torch.utils.data.graph_settings.apply_sharding(info.dataset, info.num_workers, worker_id)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_a_shuffled_datapipe_gives_torchs_epochs(persistent, worker_method, no_child_left):
+    """Each worker shuffles its copy with the pass's shared seed and keeps its share of that
+    one order: every epoch is torch's, none loses or repeats a sample (persistent workers were
+    reseeded by nothing, and split different orders)."""
+
+    def epochs(cls: type, **more: Any) -> list[list[int]]:
+        datapipe = IterableWrapper(range(20)).shuffle().sharding_filter()
+        loader = cls(
+            datapipe,
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=persistent,
+            worker_init_fn=shard_by_worker,
+            generator=torch.Generator().manual_seed(1),
+            **more,
+        )
+        return [torch.cat(list(loader)).tolist() for _ in range(3)]
+
+    want = epochs(tud.DataLoader)
+    assert all(sorted(epoch) == list(range(20)) for epoch in want)
+    assert epochs(torch_spdl.DataLoader, worker_method=worker_method) == want

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch.utils.data
+from torch.utils.data import IterDataPipe
 
 from . import gil, pass_record, resume
 from .auto import PROCESS, THREAD, Decision, Trial, decide
@@ -78,6 +79,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         undo_draw = resumed is not None and not resumed.draws_base_seed and loader.generator is None
         with torch.random.fork_rng(devices=[], enabled=undo_draw):
             super().__init__(loader)
+            if self._num_workers > 0 and isinstance(self._dataset, IterDataPipe):
+                # torch's worker iterator starts its workers with the datapipe's shared seed,
+                # then draws another for its own copy as its first pass starts
+                started_with = self._shared_seed
+                BaseDataLoaderIter._reset(self, loader, first_iter=True)
+                self._shared_seed = started_with
         if self._num_workers == 0 and self._timeout != 0:
             raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
         prefetch_factor = loader.prefetch_factor  # torch sets it (2) where there are workers
@@ -98,6 +105,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             loader._uneven(),
             copies=self._num_workers > 0 and plan.executor != PROCESS,  # a process has its own
         )
+        self._streams.reseed(self._current.shared_seed)
         self._transfer = self._device_transfer(loader)
         # torch's workers hand over copies; worker threads, what collate_fn returned
         self._finish = finisher(self._collate_fn, self._pinner(), own=loader.num_workers > 0)
@@ -651,6 +659,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._settle()  # the pass before, if it was given up, before the new one draws
         super()._reset(loader, first_iter)
         self._begin_pass(loader, loader._take_continuation(), self._pass)
+        self._streams.reseed(self._current.shared_seed)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed or self._replanned(loader):  # start the threads again
@@ -706,6 +715,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
         self._current.record = self._pass
+        self._current.shared_seed = self._shared_seed  # a datapipe's, for each worker's copy
 
     def _moved_plan(self, loader: DataLoader) -> Plan | None:
         """The plan a pass moves to mid-way, if it may (see :meth:`_move_whole`): ``"auto"``

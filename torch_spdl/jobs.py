@@ -158,7 +158,8 @@ class IterableJob:
         """A new iterator; ``request`` is ``(restored, every)`` (see
         :mod:`torch_spdl.stream_state`): its state put back, and recorded every ``every``."""
         self._batches = None
-        restored, every = request if request is not None else (None, 1)
+        restored, every, seed = request if request is not None else (None, 1, None)
+        self.streams.reseed(seed)
         args = (self.auto_collation, self.collate_fn, self.drop_last, self.batch_size)
 
         def start() -> Iterator[Any]:

@@ -550,12 +550,13 @@ class ProcessPool:
         restored: dict[str, Any] | None = None,
         every: int = 1,
         keep: Callable[[dict[str, Any]], None] | None = None,
+        seed: int | None = None,
     ) -> Iterator[Any]:
         """An IterableDataset epoch of this thread's worker: a fresh iterator there (its state
         put back from ``restored``), then its batches; an error is yielded in its place and
         iteration goes on, as in torch's workers. A stream with state of its own sends it
         every ``every`` batches, for ``keep``."""
-        status, payload = self._exchange((RESET, (restored, every)))
+        status, payload = self._exchange((RESET, (restored, every, seed)))
         if status == ERROR:
             yield Failure(payload)
             return

@@ -87,6 +87,7 @@ class CurrentPass:
 
     def __init__(self) -> None:
         self.record: PassRecord | None = None
+        self.shared_seed: int | None = None  # torch's shared seed of the pass (a datapipe's)
 
     def copy_tasks(self, turns: Turns) -> Callable[[Iterable[Any]], Iterator[CopyTask]]:
         """The tasks of a pass over worker copies of a dataset with state (copies.py):
@@ -120,7 +121,7 @@ class CurrentPass:
             assert record is not None  # set before any pass runs
             restored = record.restored[worker]
             keep = functools.partial(record.keep_stream, worker)
-            made = batches_of(worker, restored, record.snapshot_every, keep)
+            made = batches_of(worker, restored, record.snapshot_every, keep, self.shared_seed)
             return record.resumed(worker, made, start_of(restored))
 
         return batches
@@ -128,7 +129,8 @@ class CurrentPass:
 
 # ProcessPool.batches: (worker, restored state or None, snapshot interval, keep a record)
 ProcessStreams = Callable[
-    [int, "dict[str, Any] | None", int, Callable[[dict[str, Any]], None]], Iterable[Any]
+    [int, "dict[str, Any] | None", int, Callable[[dict[str, Any]], None], "int | None"],
+    Iterable[Any],
 ]
 
 

@@ -323,6 +323,15 @@ class WorkerStreams:
         self._uneven = uneven
         self._copies = copies
         self._made: dict[int, Any] = {}
+        self._seed: int | None = None
+        self._seeded: set[int] = set()
+
+    def reseed(self, seed: int | None) -> None:
+        """A new pass, and the shared seed torch's iterator drew for it (a datapipe's). torch's
+        persistent workers apply it to their datapipe at each pass (``_ResumeIteration``), so
+        that every worker shuffles alike and ``sharding_filter`` splits one order: so does each
+        worker's copy here, made in an earlier pass or not."""
+        self._seed, self._seeded = seed, set()
 
     def dataset(self, worker: int) -> Any:
         """Worker ``worker``'s dataset (its ``get_worker_info().dataset``), made on first use."""
@@ -346,6 +355,11 @@ class WorkerStreams:
     def stream(self, worker: int) -> Any:
         """What worker ``worker`` iterates for an epoch."""
         dataset = self.dataset(worker)
+        if isinstance(dataset, IterDataPipe) and self._seed is not None:
+            if worker not in self._seeded:
+                rng = torch.Generator().manual_seed(self._seed)
+                torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
+            self._seeded.add(worker)
         if self._ranks is None:
             return dataset
         return RankShard(dataset, *self._ranks, self._uneven)
