@@ -348,7 +348,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """``batch_size`` or ``drop_last`` set on ``loader.batch_sampler`` after construction
         reach the batch sampler the loader reads, as they reach torch's, which reads that one."""
         shown, own = self.batch_sampler, self._own_samplers[1]
-        if self._builds_own and isinstance(own, BatchSampler) and own is not shown:
+        if not (self._builds_own and isinstance(shown, BatchSampler)):
+            return
+        if isinstance(own, BatchSampler) and own is not shown:
             own.batch_size, own.drop_last = shown.batch_size, shown.drop_last
 
     @property
