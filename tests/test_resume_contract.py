@@ -449,6 +449,55 @@ def test_a_stream_with_state_is_restored_not_read_again(options, every):
         assert theirs == their_want
 
 
+class Epochs(tud.IterableDataset):
+    """Worker w's items of epoch e are e * 100 + w, w + workers, ...; the dataset keeps its
+    position and its epoch as its state (a persistent worker's copy goes on to the next)."""
+
+    def __init__(self) -> None:
+        self.position, self.epoch = 0, 0
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        items = [100 * self.epoch + x for x in range(worker, 8, workers)]
+        while self.position < len(items):
+            self.position += 1
+            yield items[self.position - 1]
+        self.position, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position, self.epoch = state["position"], state["epoch"]
+
+
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_a_state_taken_as_a_persistent_loaders_next_epoch_starts_resumes_that_epoch(
+    worker_method,
+):
+    """After ``iter()`` of the next epoch and before its first batch (a checkpoint at the start
+    of an epoch): each worker's copy has moved on to that epoch, and the state says so, as
+    torchdata's StatefulDataLoader's does; it said where the last epoch began."""
+
+    def resumed_epoch(cls: type, **extra: Any) -> list[list[int]]:
+        def make() -> Any:
+            return cls(Epochs(), batch_size=2, num_workers=2, persistent_workers=True, **extra)
+
+        loader = make()
+        epoch(loader)
+        iterator = iter(loader)
+        state = loader.state_dict()
+        del iterator
+        fresh = make()
+        fresh.load_state_dict(state)
+        return epoch(fresh)
+
+    want = resumed_epoch(StatefulDataLoader)
+    assert want == [[100, 102], [101, 103], [104, 106], [105, 107]]
+    assert resumed_epoch(DataLoader, worker_method=worker_method) == want
+
+
 class RandomStream(tud.IterableDataset):
     """Draws its items from a generator of its own, which goes on from epoch to epoch."""
 

@@ -712,6 +712,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._cut is not None:
             self._sampler_iter = self._cut
         self._num_yielded = start.yielded
+        if previous is not None and continuation is None and not start.record.tracked:
+            start.record.carry_streams(previous.ended_streams())
         self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
         self._current.record = self._pass

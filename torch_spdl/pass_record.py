@@ -310,6 +310,7 @@ class PassRecord:
         before = self.received_before or [Progress() for _ in range(workers)]
         self.streams_done = [received.copy() for received in before]
         self.restored = (c.stream_states if c else None) or (None,) * len(before)
+        self._carried_streams: list[dict[str, Any] | None] = [None] * len(before)
         self._stream_snapshots = [Snapshots() for _ in before]
         # A map-style dataset read from ``copies`` worker copies (copies.py): the state each
         # begins the pass from (resumed, or ``carried`` over by persistent workers), then after
@@ -510,6 +511,12 @@ class PassRecord:
         with self._lock:
             self._stream_snapshots[worker].put(int(state["at"]), state)
 
+    def carry_streams(self, states: list[dict[str, Any] | None]) -> None:
+        """A persistent iterator's next pass: each worker's copy goes on from where it ended
+        the last pass (:meth:`ended_streams`), which is what a state taken before this pass
+        records anything says (a fresh loader would otherwise read the last epoch again)."""
+        self._carried_streams = list(states)
+
     def ended_streams(self) -> list[dict[str, Any] | None]:
         """Each worker stream's dataset state at the end of this finished pass, as a restored
         state for the next pass's copies (a persistent worker keeps its copy from pass to pass);
@@ -536,8 +543,8 @@ class PassRecord:
             "epoch": None if self.epoch is None else {"epoch": self.epoch},
             "streams": [done.state() for done in self.streams_done],
             "stream_states": [
-                restored if state is None else state
-                for state, restored in zip(states, self.restored, strict=True)
+                next((s for s in candidates if s is not None), None)
+                for candidates in zip(states, self.restored, self._carried_streams, strict=True)
             ],
         }
 
