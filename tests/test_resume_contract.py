@@ -944,3 +944,22 @@ def test_persistent_workers_datasets_need_as_many_workers():
     other = DataLoader(WorkerRandomStream(), batch_size=2, num_workers=3, persistent_workers=True)
     with pytest.raises(ValueError, match=r"persistent workers for 2 worker stream\(s\); this loa"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("num_samples", [None, 10, 28, 40, 70])
+def test_random_draws_move_a_generator_as_torchs_random_sampler_does(num_samples):
+    """What follows a sampler's generator (``PassRecord.follow``) without a list of its own: its
+    generator state after every index is the one torch's RandomSampler leaves, on this torch."""
+    from torch_spdl.pass_record import RandomDraws
+
+    def states(iterable_of: Any) -> list[bytes]:
+        generator = torch.Generator().manual_seed(11)
+        sampler = tud.RandomSampler(DATA, num_samples=num_samples, generator=generator)
+        iterator, ended, seen = iter(iterable_of(sampler)), object(), []
+        while next(iterator, ended) is not ended:  # the state after each index, and at the end
+            seen.append(bytes(generator.get_state().numpy()))
+        return [*seen, bytes(generator.get_state().numpy())]
+
+    ours, torchs = states(RandomDraws), states(lambda sampler: sampler)
+    assert len(ours) == len(torchs) == (num_samples or N) + 1
+    assert ours == torchs
