@@ -59,7 +59,7 @@ from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .plan import AUTO, STREAMS, Plan
 from .processes import ProcessPool, attach, process_pool
-from .sampling import WorkerStreams
+from .sampling import WorkerStreams, datapipe_graph
 from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
 from .stats import ConsumerClock, PeriodicReport, StatsProbe
@@ -77,7 +77,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         resumed = loader._take_continuation()
         # a pass resumed mid-way made its draws before the state: undo the base_seed draw
         undo_draw = resumed is not None and not resumed.draws_base_seed and loader.generator is None
-        with torch.random.fork_rng(devices=[], enabled=undo_draw):
+        with torch.random.fork_rng(devices=[], enabled=undo_draw), datapipe_graph(loader.dataset):
             super().__init__(loader)
             if self._num_workers > 0 and isinstance(self._dataset, IterDataPipe):
                 # torch's worker iterator starts its workers with the datapipe's shared seed,
@@ -657,7 +657,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._budget.reset()  # the budget is per pass
         self._inline_at = 0
         self._settle()  # the pass before, if it was given up, before the new one draws
-        super()._reset(loader, first_iter)
+        with datapipe_graph(self._dataset):
+            super()._reset(loader, first_iter)
         self._begin_pass(loader, loader._take_continuation(), self._pass)
         self._streams.reseed(self._current.shared_seed)
         if self._pipeline is None or first_iter:

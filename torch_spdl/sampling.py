@@ -22,6 +22,7 @@ processes has its own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import sys
@@ -45,8 +46,16 @@ from torch.utils.data import (
 UNEVEN_RANKS = ("pad", "drop")
 
 _DATAPIPE_GRAPH = threading.Lock()
-"""Copying a datapipe graph or walking it (``apply_sharding``) sets a class-wide pickling hook of
-torch's: one thread at a time (two at once fail, seen on free-threaded Python)."""
+"""Copying a datapipe graph or walking it (``apply_sharding``, ``apply_random_seed``) sets a
+class-wide pickling hook of torch's: one thread at a time (two at once fail, seen on
+free-threaded Python)."""
+
+
+def datapipe_graph(dataset: Any) -> contextlib.AbstractContextManager[Any]:
+    """:data:`_DATAPIPE_GRAPH` where ``dataset`` is a datapipe (whose graph torch's iterator set-up
+    walks to seed it), else nothing to hold."""
+    return _DATAPIPE_GRAPH if isinstance(dataset, IterDataPipe) else contextlib.nullcontext()
+
 
 REBUILT = (
     "torch_spdl.DataLoader's {what} is being iterated by something other than torch_spdl's own "
@@ -358,7 +367,8 @@ class WorkerStreams:
         if isinstance(dataset, IterDataPipe) and self._seed is not None:
             if worker not in self._seeded:
                 rng = torch.Generator().manual_seed(self._seed)
-                torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
+                with _DATAPIPE_GRAPH:
+                    torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
             self._seeded.add(worker)
         if self._ranks is None:
             return dataset

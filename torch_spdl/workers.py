@@ -29,6 +29,7 @@ import torch
 import torch.utils.data
 
 from .compat import RNG, WORKER_INFO_FIELDS, WorkerInfo, torch_extension_file, torch_worker_module
+from .sampling import datapipe_graph
 
 
 class _ThreadState(threading.local):
@@ -207,7 +208,8 @@ def worker_starter(
         own = dataset if copies is None else copies(worker_id)
         _thread_state.info = worker_info(own, worker_id, num_workers, base_seed, "thread")
         if worker_init_fn is not None:
-            worker_init_fn(worker_id)
+            with datapipe_graph(own):  # torch's docs have it walk the graph: one at a time
+                worker_init_fn(worker_id)
 
     return start
 
