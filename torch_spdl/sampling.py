@@ -45,7 +45,7 @@ from torch.utils.data import (
 
 UNEVEN_RANKS = ("pad", "drop")
 
-_DATAPIPE_GRAPH = threading.Lock()
+_DATAPIPE_GRAPH = threading.RLock()  # re-entrant: a worker_init_fn holding it may copy
 """Copying a datapipe graph or walking it (``apply_sharding``, ``apply_random_seed``) sets a
 class-wide pickling hook of torch's: one thread at a time (two at once fail, seen on
 free-threaded Python)."""
