@@ -654,6 +654,32 @@ def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
     assert child.exitcode == 0  # a stopped server's child would read as 255
 
 
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+def test_a_fork_server_is_kept_while_a_child_forked_from_here_holds_its_pipe():
+    """torch's own loader forks its workers, which inherit the fork server's alive pipe: a
+    restart would wait for them to exit, forever for the workers of an iterator an exception
+    still holds (a test's ``pytest.raises``, seen to hang 120 s on free-threaded Python)."""
+    if start_method.start_context(None).get_start_method() != "forkserver":
+        pytest.skip("no fork server here")
+    multiprocessing.forkserver.ensure_running()
+    fork = multiprocessing.get_context("fork")
+    release = fork.Event()
+    child = fork.Process(target=release.wait)
+    child.start()
+    restart = threading.Thread(target=start_method.start_context, args=(None, ["this.one.is.new"]))
+    try:
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        restart.start()
+        restart.join(30)
+        assert not restart.is_alive(), "the restart waited for a forked child"
+        assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+    finally:
+        release.set()
+        child.join()
+        restart.join()
+    assert child.exitcode == 0
+
+
 def start_process(context: Any, job: Any, worker: int, workers: int) -> Any:
     """One worker process of ``workers``, as a pool starts it (seed 0, no worker_init_fn)."""
     return processes._start_process(context, inherited.capture(), job, worker, workers, 0, None)
