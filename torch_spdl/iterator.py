@@ -97,7 +97,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # where "auto" may move a pass mid-way to worker processes reading whole batches: the
         # pipeline it moves to, and the batches of the pass the first one took (see _move_whole)
         self._following: tuple[Pipeline[Any], int] | None = None
-        self._begin_pass(loader, resumed)
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
@@ -105,7 +104,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             loader._uneven(),
             copies=self._num_workers > 0 and plan.executor != PROCESS,  # a process has its own
         )
-        self._streams.reseed(self._current.shared_seed)
+        self._begin_pass(loader, resumed)
         self._transfer = self._device_transfer(loader)
         # torch's workers hand over copies; worker threads, what collate_fn returned
         self._finish = finisher(self._collate_fn, self._pinner(), own=loader.num_workers > 0)
@@ -660,7 +659,6 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         with datapipe_graph(self._dataset):
             super()._reset(loader, first_iter)
         self._begin_pass(loader, loader._take_continuation(), self._pass)
-        self._streams.reseed(self._current.shared_seed)
         if self._pipeline is None or first_iter:
             return
         if self._pipeline.closed or self._replanned(loader):  # start the threads again
@@ -718,7 +716,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pass = loader._pass = start.record  # the loader's state_dict() reads the latest
         self._settle = weakref.finalize(self, self._pass.settle)
         self._current.record = self._pass
-        self._current.shared_seed = self._shared_seed  # a datapipe's, for each worker's copy
+        # a datapipe's shared seed, for each worker's copy: threads' here, processes' through
+        # the pass (CurrentPass.batches)
+        self._current.shared_seed = self._shared_seed
+        self._streams.reseed(self._shared_seed)
 
     def _moved_plan(self, loader: DataLoader) -> Plan | None:
         """The plan a pass moves to mid-way, if it may (see :meth:`_move_whole`): ``"auto"``

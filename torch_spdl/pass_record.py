@@ -356,10 +356,8 @@ class PassRecord:
         self._snapshots = Snapshots()  # a stateful sampler's
         self._lock = threading.Lock()
         self._replay: _Replay | None = None
-        self._fresh: Callable[[], Iterator[Any]] | None = None  # the replayed sampler, anew
+        self._follows: Iterable[Any] | None = None  # what moves the sampler's generator
         self._draw_lock = threading.Lock()  # one draw at a time, none once the pass is settled
-        self._drawn = 0  # next() calls on the index stream, the one that ended it included
-        self._exhausted = False
         self._settled = False
         # torch's reads of the sampler, on its own generator (see follow())
         self._mirror: Iterator[Any] | None = None
@@ -396,11 +394,10 @@ class PassRecord:
             # torch's own BatchSampler over our iterator of its sampler: same grouping code
             inner = self._samples(index_sampler.sampler)
             size, drop_last = index_sampler.batch_size, index_sampler.drop_last
-            draws = draws_of(index_sampler.sampler)
-            self._fresh = lambda: iter(BatchSampler(draws, size, drop_last))
+            self._follows = BatchSampler(draws_of(index_sampler.sampler), size, drop_last)
             return iter(BatchSampler(inner, size, drop_last))
         if replayable(index_sampler):
-            self._fresh = lambda: iter(draws_of(index_sampler))
+            self._follows = draws_of(index_sampler)
             return self._samples(index_sampler)
         return created
 
@@ -411,9 +408,7 @@ class PassRecord:
             with self._draw_lock:
                 if self._settled:  # the pass was given up: the sampler stays where it was left
                     return
-                self._drawn += 1
                 batch = next(stream, _END)
-                self._exhausted = batch is _END
             if batch is _END:
                 return
             number += 1
@@ -437,15 +432,16 @@ class PassRecord:
         times, and a RandomSampler read past its end draws one more permutation. Our source
         reads ahead as far as thread timing lets it, from a copy of the generator
         (:class:`_Replay`); the sampler's own generator, which the next pass draws from (and any
-        other loader given it), is moved here, by torch's sampler code, on the consumer's side:
-        to ``window + k``, or past the end once the pass ends (``to_end``). A generator left
-        where the threads read to would make the next epoch depend on their timing.
+        other loader given it), is moved here on the consumer's side, by the sampler's draws
+        (:func:`draws_of`): to ``window + k``, or past the end once the pass ends (``to_end``).
+        A generator left where the threads read to would make the next epoch depend on their
+        timing.
         """
-        rng, fresh = self.sampler_rng, self._fresh
-        if rng is None or rng[0] != "state" or fresh is None or self._mirror_ended:
+        rng, follows = self.sampler_rng, self._follows
+        if rng is None or rng[0] != "state" or follows is None or self._mirror_ended:
             return
         if self._mirror is None:
-            self._mirror = fresh()
+            self._mirror = iter(follows)
         target = float("inf") if to_end else self.window + len(self.done)
         while self._mirrored < target:
             self._mirrored += 1
