@@ -97,19 +97,20 @@ def test_fast_transform_matches_the_classic_output_shape(size):
 
 def test_gil_held_tells_python_from_native_work():
     """Pure Python holds the GIL all its time; hashing a large buffer releases it (with the GIL
-    off, nothing holds it)."""
+    off, nothing holds it). Other load on the machine lowers both figures (see ``gil_held``):
+    pure Python still reads well above hashing, 0.3 or more against 0.2 or less."""
     blob = os.urandom(4 << 20)
 
     def python(i: int) -> int:
         return sum(range(20_000))
 
-    held_by_python = profile.gil_held(python, 100)
-    held_by_hashing = profile.gil_held(lambda i: hashlib.sha256(blob).digest(), 40)
-    assert held_by_hashing < 0.3, held_by_hashing
+    held_by_python = profile.gil_held(python, 100, repeats=3)
+    held_by_hashing = profile.gil_held(lambda i: hashlib.sha256(blob).digest(), 40, repeats=3)
+    assert held_by_hashing < 0.25, held_by_hashing
     if gil.gil_enabled():
-        assert held_by_python > 0.6, held_by_python
+        assert held_by_python > held_by_hashing + 0.15, (held_by_python, held_by_hashing)
     else:
-        assert held_by_python < 0.3, held_by_python
+        assert held_by_python < 0.25, held_by_python
 
 
 # -- memory: PSS of the process tree -------------------------------------------------------------

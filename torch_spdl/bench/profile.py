@@ -108,17 +108,26 @@ def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, f
     return found
 
 
-def gil_held(work: Callable[[int], Any], items: int) -> float:
+def gil_held(work: Callable[[int], Any], items: int, repeats: int = 1) -> float:
     """The share of ``work``'s own time (one thread, ``work(i)`` for ``i < items``) that holds
     the GIL, measured the way ``worker_method="auto"`` measures GIL waits.
 
     A thread that always needs the GIL (a counting loop) runs beside ``work``; the time it spends
     neither on a CPU nor queued for one (:class:`~torch_spdl.auto.ThreadClock`: wall less CPU
     less run-queue time) is time the GIL was held elsewhere, by ``work`` or in a hand-off between
-    the two (counted as held, so the figure errs high). Divided by ``work``'s time alone. Other
-    load on the machine queues the counter rather than making it wait, so it barely moves the
-    figure; a GIL-free build reads about 0.
+    the two (counted as held, so the figure errs high). Divided by ``work``'s time alone; a
+    GIL-free build reads about 0.
+
+    Other load on the machine lowers the figure: the counter, woken to take the GIL, may sit in
+    the run queue while ``work`` holds it again, and queued time is not counted (three busy
+    processes on 2 cores took pure Python from 1.0 to 0.3-0.6, and hashing a buffer from 0.02 to
+    at most 0.2). ``repeats`` measurements give their median, which single preemptions move
+    less.
     """
+    return statistics.median(_gil_held_once(work, items) for _ in range(repeats))
+
+
+def _gil_held_once(work: Callable[[int], Any], items: int) -> float:
     start = time.perf_counter()
     for i in range(items):
         work(i)
