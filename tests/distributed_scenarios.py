@@ -13,6 +13,7 @@ import torch.distributed as dist
 from index_datasets import Indices, StagedIndices
 from torch.utils.data import (
     BatchSampler,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     SubsetRandomSampler,
@@ -35,6 +36,57 @@ class Stream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         return iter(range(worker, self.n, workers))
+
+
+class RankedIndices(Dataset):
+    """Each index with the rank and world size ``__getitem__`` reads from torch.distributed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> list[int]:
+        return [index, dist.get_rank(), dist.get_world_size()]
+
+
+class RankStream(IterableDataset):
+    """0..n-1 split by rank (from torch.distributed, in ``__iter__``) and by worker, as torch's
+    docs show for a stream; ``splits_by_rank`` tells torch_spdl not to split it again."""
+
+    splits_by_rank = True
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(rank * workers + worker, self.n, world * workers))
+
+
+def rank_in_workers() -> dict:
+    """What a dataset read in worker processes learns from torch.distributed: ours (worker
+    processes started afresh) and torch's, forked as under torchrun on Linux (a rank spawned
+    here would spawn them too, without the group's state)."""
+    out = {}
+    for name, make in (("torch", torch.utils.data.DataLoader), ("ours", DataLoader)):
+        extra = {"worker_method": "process"} if name == "ours" else {}
+        if name == "torch":
+            extra["multiprocessing_context"] = "fork"
+        unsplit = {"distributed": False} if name == "ours" else {}  # as torch's: every index
+        ranked = make(RankedIndices(8), batch_size=4, num_workers=2, **extra, **unsplit)
+        stream = make(RankStream(16), batch_size=2, num_workers=2, **extra)
+        try:
+            out[name] = {
+                "ranked": [torch.stack(batch, 1).tolist() for batch in ranked],
+                "stream": [batch.tolist() for batch in stream],
+            }
+        except Exception as error:  # reported by the test, not by the whole group's failure
+            out[name] = {"error": repr(error)}
+    return out
 
 
 def epochs(loader, count: int = 3) -> list[list[list[int]]]:
@@ -112,6 +164,7 @@ def scenarios() -> dict:
     dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
+    out["rank_in_workers"] = rank_in_workers()
     out["resume_in_order"] = resume_scenario(in_order=True)
     out["resume_completion_order"] = resume_scenario(in_order=False)
     return out

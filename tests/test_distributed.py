@@ -136,6 +136,19 @@ def test_distributed_false_keeps_torchs_behaviour(ranks):
         assert sorted(flat(result["opted_out"]["epochs"][0])) == list(range(20))
 
 
+def test_worker_processes_know_the_rank_as_torchs_forked_workers_do(ranks):
+    """A dataset that asks torch.distributed for the rank in ``__getitem__`` or shards its own
+    stream by rank in ``__iter__`` reads in worker processes as in torch's."""
+    for rank, result in enumerate(ranks):
+        seen = result["rank_in_workers"]
+        assert seen["ours"] == seen["torch"]
+        assert {tuple(row[1:]) for batch in seen["ours"]["ranked"] for row in batch} == {
+            (rank, WORLD)
+        }
+        streamed = sorted(flat(seen["ours"]["stream"]))
+        assert streamed == [i for i in range(16) if (i // 2) % WORLD == rank]
+
+
 def test_process_group_started_after_the_loader_is_picked_up(ranks):
     for result in ranks:
         assert result["late_group"]["sampler_before"] == "RandomSampler"

@@ -17,12 +17,20 @@ samples made without autograd, and ``default_collate``'s stacking into shared me
 refuses tensors that require grad, works. A new thread starts with grad enabled, so
 :func:`in_thread` gives each thread the loader starts its starter's grad mode (inference mode as
 grad disabled: its tensors could not be used by a later training pass of persistent workers).
+
+A forked worker also has the default process group's Python state, so a dataset, its
+``__iter__`` or a ``worker_init_fn`` can ask ``torch.distributed`` for the rank and world size
+(to split a stream by rank, as torch's docs show). A fresh process has no group; :func:`apply`
+starts a stand-in of the same rank and world size (torch's ``fake`` backend), which answers those
+questions and communicates nothing. A collective called in a worker is no more meaningful in a
+forked one: there it would write to the parent's connections.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import pickle
 import sys
 import warnings
@@ -31,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class Settings:
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=)
     matmul_precision: str  # set_float32_matmul_precision
     anomaly: tuple[bool, bool]  # set_detect_anomaly(mode, check_nan)
+    process_group: tuple[int, int] | None  # (rank, world size) of the default group, if any
 
 
 def capture() -> Settings:
@@ -60,7 +70,14 @@ def capture() -> Settings:
         _deterministic(),
         torch.get_float32_matmul_precision(),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        _process_group(),
     )
+
+
+def _process_group() -> tuple[int, int] | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -87,6 +104,8 @@ def apply(settings: Settings) -> None:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     torch.autograd.set_detect_anomaly(*settings.anomaly)
+    if settings.process_group is not None:
+        _stand_in_group(*settings.process_group)
     if settings.pil is not None:
         from PIL import Image, ImageFile
 
@@ -97,6 +116,26 @@ def apply(settings: Settings) -> None:
             warnings.filterwarnings(  # each goes first: in reverse, they end in their order
                 action, _text(message), category, _text(module), lineno
             )
+
+
+def _stand_in_group(rank: int, world_size: int) -> None:
+    """A default process group of ``rank`` and ``world_size`` that communicates nothing (see the
+    module's docstring). torch registers its ``fake`` backend in a testing module; where that
+    cannot be had, the worker goes without a group, as before, and ``torch.distributed`` says
+    that none is initialized."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    try:
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    except Exception as error:  # a private module: any failure means no stand-in
+        warnings.warn(
+            f"a DataLoader worker process could not start a stand-in for the process group "
+            f"(rank {rank} of {world_size}): {error}; torch.distributed in this worker says "
+            "that no group is initialized",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _text(pattern: Any) -> str:
