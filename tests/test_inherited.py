@@ -158,3 +158,31 @@ def test_worker_processes_run_with_the_scripts_process_wide_settings(
         Precision(), batch_size=2, num_workers=2, worker_method="process"
     )
     assert torch.cat(list(loader)).tolist() == want == [[True, True]] * 4
+
+
+@pytest.fixture
+def no_group():
+    """No default process group before the test, and none left after it."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a default group")
+    yield dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_worker_has_a_stand_in_group_of_the_parents_rank(no_group):
+    """What a worker process does with the parent's (rank, world size): torch's fake backend
+    answers for them (test_distributed.py checks it in worker processes of a real group)."""
+    inherited._stand_in_group(1, 3)
+    assert (no_group.get_rank(), no_group.get_world_size()) == (1, 3)
+
+
+def test_without_torchs_fake_backend_a_worker_warns_and_has_no_group(no_group, monkeypatch):
+    def refuse(name: str) -> Any:
+        raise ImportError(f"no module named {name!r}")
+
+    monkeypatch.setattr(inherited.importlib, "import_module", refuse)
+    with pytest.warns(RuntimeWarning, match="could not start a stand-in .*rank 1 of 3"):
+        inherited._stand_in_group(1, 3)
+    assert not no_group.is_initialized()
