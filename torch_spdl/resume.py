@@ -495,6 +495,31 @@ def _other_world(loader: Any, state: dict[str, Any], saved: dict[str, Any]) -> b
     return saved_pass is None or saved_pass.get("global") is not None
 
 
+def _other_rank(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    """A state saved on another rank of as many ranks. Lightning saves rank 0's state alone, and
+    every rank loads it. The ranks move in step, so its position is every rank's: this rank goes
+    on from there with its own batches (as torchdata's loader does)."""
+    world = saved.get("world_size")
+    return world is not None and world == here["world_size"] and saved.get("rank") != here["rank"]
+
+
+def _warn_if_out_of_order(state: dict[str, Any], rank: int) -> None:
+    """Batches received out of order are a set of batch numbers of the saving rank's; another
+    rank skips the same numbers, which need not be the ones it had received."""
+    yielded = (state.get("pass") or {}).get("yielded")
+    if yielded is None or not Progress.from_state(yielded).later:
+        return
+    warnings.warn(
+        f"this DataLoader state was saved on rank {state['config'].get('rank')} with batches "
+        f"received out of order (in_order=False): rank {rank} skips the batch numbers that rank "
+        "had received, which need not be those it received itself, so some of its samples may be "
+        "read twice or not at all this epoch; save and load each rank's own state to resume "
+        "exactly",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
 def _check_config(loader: Any, state: Any) -> None:
     if not isinstance(state, dict) or "version" not in state:
         raise ValueError("not a torch_spdl DataLoader state: expected a dict from state_dict()")
@@ -507,10 +532,13 @@ def _check_config(loader: Any, state: Any) -> None:
     if not isinstance(saved, dict):
         raise ValueError("not a torch_spdl DataLoader state: it has no 'config'")
     split_anew = _other_world(loader, state, saved)
+    other_rank = _other_rank(saved, here)
     differences = [
         f"{key}: {saved.get(key)!r} in the state, {here[key]!r} here"
         for key in here
-        if saved.get(key) != here[key] and not (split_anew and key in _RANK_KEYS)
+        if saved.get(key) != here[key]
+        and not (split_anew and key in _RANK_KEYS)
+        and not (other_rank and key == "rank")
     ]
     if differences:
         raise ValueError(
@@ -518,6 +546,8 @@ def _check_config(loader: Any, state: Any) -> None:
             + "; ".join(differences)
             + "): build the loader as it was when the state was saved"
         )
+    if other_rank:
+        _warn_if_out_of_order(state, here["rank"])
 
 
 def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
