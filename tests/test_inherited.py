@@ -111,9 +111,11 @@ def settings_restored():
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     precision = torch.get_float32_matmul_precision()
+    strategy = torch.multiprocessing.get_sharing_strategy()
     yield
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.set_float32_matmul_precision(precision)
+    torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 def test_process_wide_settings_travel_to_a_worker_process_and_take_effect(settings_restored):
@@ -144,6 +146,7 @@ class Precision(Dataset):
             [
                 torch.are_deterministic_algorithms_enabled(),
                 torch.get_float32_matmul_precision() == "medium",
+                torch.multiprocessing.get_sharing_strategy() == "file_system",
             ]
         )
 
@@ -153,11 +156,12 @@ def test_worker_processes_run_with_the_scripts_process_wide_settings(
 ):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_float32_matmul_precision("medium")
+    torch.multiprocessing.set_sharing_strategy("file_system")  # for "Too many open files"
     want = torch.cat(list(tud.DataLoader(Precision(), batch_size=2, num_workers=2))).tolist()
     loader = torch_spdl.DataLoader(
         Precision(), batch_size=2, num_workers=2, worker_method="process"
     )
-    assert torch.cat(list(loader)).tolist() == want == [[True, True]] * 4
+    assert torch.cat(list(loader)).tolist() == want == [[True, True, True]] * 4
 
 
 @pytest.fixture

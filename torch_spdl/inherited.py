@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Settings:
     matmul_precision: str  # set_float32_matmul_precision
     anomaly: tuple[bool, bool]  # set_detect_anomaly(mode, check_nan)
     process_group: tuple[int, int] | None  # (rank, world size) of the default group, if any
+    sharing_strategy: str  # torch.multiprocessing's: how a worker's large tensors reach us
 
 
 def capture() -> Settings:
@@ -71,6 +73,7 @@ def capture() -> Settings:
         torch.get_float32_matmul_precision(),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         _process_group(),
+        torch.multiprocessing.get_sharing_strategy(),
     )
 
 
@@ -106,6 +109,8 @@ def apply(settings: Settings) -> None:
     torch.autograd.set_detect_anomaly(*settings.anomaly)
     if settings.process_group is not None:
         _stand_in_group(*settings.process_group)
+    # "file_system", the usual fix for "Too many open files" with many tensors in a batch
+    torch.multiprocessing.set_sharing_strategy(settings.sharing_strategy)
     if settings.pil is not None:
         from PIL import Image, ImageFile
 
