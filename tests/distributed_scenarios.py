@@ -6,6 +6,7 @@ compares ranks with each other and with torch's own DistributedSampler.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -90,6 +91,23 @@ def rank_in_workers() -> dict:
     return out
 
 
+def rebuilt_every_epoch() -> list[list[list[int]]]:
+    """A loader built anew each epoch, its epoch set on ``loader.sampler`` as Lightning sets it
+    where the loader shards by itself (``use_distributed_sampler=False``,
+    ``reload_dataloaders_every_n_epochs=1``); the last one a deep copy (pickled, as a copy
+    is)."""
+    out = []
+    for epoch in range(3):
+        loader = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
+        if epoch == 2:
+            loader = copy.deepcopy(loader)
+        set_epoch = getattr(loader.sampler, "set_epoch", None)
+        if callable(set_epoch):  # as Lightning's _set_sampler_epoch asks
+            set_epoch(epoch)
+        out.append(epochs(loader, 1)[0])
+    return out
+
+
 def epochs(loader, count: int = 3) -> list[list[list[int]]]:
     return [[torch.as_tensor(b).tolist() for b in loader] for _ in range(count)]
 
@@ -166,6 +184,7 @@ def scenarios() -> dict:
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
     out["rank_in_workers"] = rank_in_workers()
+    out["rebuilt_every_epoch"] = rebuilt_every_epoch()
     out["resume_in_order"] = resume_scenario(in_order=True)
     out["resume_completion_order"] = resume_scenario(in_order=False)
     return out

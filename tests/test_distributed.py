@@ -149,6 +149,14 @@ def test_worker_processes_know_the_rank_as_torchs_forked_workers_do(ranks):
         assert streamed == [i for i in range(16) if (i // 2) % WORLD == rank]
 
 
+def test_the_epoch_set_on_the_shown_sampler_is_the_loaders(ranks):
+    """Lightning sets the epoch on ``loader.sampler``: a loader built anew every epoch reads
+    that epoch's permutation, not the same one each time."""
+    for rank, result in enumerate(ranks):
+        got = [flat(batches) for batches in result["rebuilt_every_epoch"]]
+        assert got == [reference(40, epoch, seed=0)[rank] for epoch in range(3)]
+
+
 def test_process_group_started_after_the_loader_is_picked_up(ranks):
     for result in ranks:
         assert result["late_group"]["sampler_before"] == "RandomSampler"

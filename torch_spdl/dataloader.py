@@ -33,6 +33,7 @@ from .sampling import (
     shards_map_style,
     shown_sampler,
     splits_by_rank,
+    stands_for,
     world,
 )
 from .stats import LoaderStats, StatsProbe
@@ -267,6 +268,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         own = self._own_samplers[0]
         if self._builds_own and own is not self.sampler and type(own) in SHOWN_TYPES:
             link_shown(self.sampler, own)  # pickling copied the attributes they shared
+        stands_for(self.sampler, self)
 
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
@@ -338,7 +340,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         loader's iterator reads them (another loader rebuilt from this one). Set around torch's
         guard on ``sampler`` and ``batch_sampler``: the same samplers, which is what it protects."""
         sampler, batch_sampler = self._own_samplers
-        shown = shown_sampler(sampler)
+        shown = shown_sampler(sampler, self)
         object.__setattr__(self, "sampler", shown)
         if isinstance(batch_sampler, BatchSampler):  # torch builds one from batch_size
             shown_batches = BatchSampler(shown, batch_sampler.batch_size, batch_sampler.drop_last)

@@ -132,8 +132,21 @@ class _Shown:
             warnings.warn(REBUILT.format(what="sampler"), RuntimeWarning, stacklevel=2)
         return super().__iter__()  # type: ignore[misc]
 
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's epoch (:meth:`DataLoader.set_epoch`), which its per-rank sampler reads
+        under DDP. Lightning calls this on ``loader.sampler`` each epoch where it leaves the
+        sampler to the loader (``use_distributed_sampler=False``): a loader it builds anew every
+        epoch (``reload_dataloaders_every_n_epochs``) would otherwise start each at the same
+        epoch, with the same order."""
+        ref = _LOADERS.get(self)
+        loader = None if ref is None else ref()
+        if loader is not None:
+            loader.set_epoch(epoch)
+
 
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # kept apart from the state it shares
+_LOADERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+"""The loader each shown sampler stands for, kept apart from the state it shares."""
 _TORCH_LOADER_FILE = torch.utils.data.dataloader.__file__
 
 
@@ -168,19 +181,27 @@ _SHOWN: dict[type, type[_Shown]] = {
 SHOWN_TYPES = tuple(_SHOWN)
 
 
-def shown_sampler(sampler: Any) -> Any:
-    """``sampler`` as one that warns when another loader iterates it: what the loader shows,
+def shown_sampler(sampler: Any, loader: Any) -> Any:
+    """``sampler`` as one that warns when another loader iterates it: what ``loader`` shows,
     while its own iterator reads ``sampler`` itself. The two share their attributes (one
     ``__dict__``), so a change made through ``loader.sampler`` (a ``generator`` set after the
     loader was built) is one the loader reads."""
     shown = object.__new__(_SHOWN[type(sampler)])
     link_shown(shown, sampler)
+    stands_for(shown, loader)
     return shown
 
 
 def link_shown(shown: Any, sampler: Any) -> None:
     """Give ``shown`` the attributes of ``sampler`` themselves (again, in a copied loader)."""
     shown.__dict__ = vars(sampler)
+
+
+def stands_for(shown: Any, loader: Any) -> None:
+    """Have ``shown``, if it is a shown sampler, set ``loader``'s epoch (again, in a copied
+    loader)."""
+    if isinstance(shown, _Shown):
+        _LOADERS[shown] = weakref.ref(loader)
 
 
 # -- what is split already ------------------------------------------------------------------------
