@@ -373,3 +373,83 @@ def test_a_dataset_collected_while_another_is_watched_is_forgotten(monkeypatch):
     assert done, "watch() waited for itself: the collection's _forget took its lock"
     assert alive() is None
     assert worker_state._watches.get(key) is not old  # gone, or a new dataset's at its address
+
+
+# -- handles held before the threads start ------------------------------------------------------
+class HeldRecords(Records):
+    """:class:`Records` read from a file opened in ``__init__``, before any worker starts."""
+
+    def __init__(self, path: str, n: int) -> None:
+        super().__init__(path, n)
+        self.file = open(path, "rb")  # noqa: SIM115 (kept, as a dataset keeps it)
+
+
+def test_handles_each_read_moves_are_told_from_those_safe_to_share(tmp_path, records):
+    import io
+    import mmap
+    import tarfile
+    import zipfile
+
+    import numpy as np
+
+    av = pytest.importorskip("av")
+    with open(tmp_path / "member", "wb") as out:
+        out.write(b"x" * 64)
+    with tarfile.open(tmp_path / "pack.tar", "w") as tar:
+        tar.add(tmp_path / "member", arcname="member")
+    with zipfile.ZipFile(tmp_path / "pack.zip", "w") as archive:
+        archive.write(tmp_path / "member", arcname="member")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        silence = av.AudioFrame.from_ndarray(
+            np.zeros((1, 800), dtype=np.int16), format="s16", layout="mono"
+        )
+        silence.sample_rate = 8000
+        container.mux(stream.encode(silence))
+        container.mux(stream.encode())
+    buffer.seek(0)
+    closed = open(records, "rb")  # noqa: SIM115
+    closed.close()
+    with (
+        open(records, "rb") as binary,
+        open(records, encoding="latin-1") as text,
+        open(tmp_path / "written", "wb") as written,
+        tarfile.open(tmp_path / "pack.tar") as tar,
+        zipfile.ZipFile(tmp_path / "pack.zip") as archive,
+        open(records, "rb") as mapped,
+        mmap.mmap(mapped.fileno(), 0, access=mmap.ACCESS_READ) as memory,
+        av.open(buffer) as container,
+    ):
+        moved = [binary, text, io.BytesIO(b"abc"), tar, container]
+        safe = [closed, written, archive, memory, b"bytes", None]
+        assert [worker_state._reading_handle(value) for value in moved] == [True] * len(moved)
+        assert [worker_state._reading_handle(value) for value in safe] == [False] * len(safe)
+
+
+def test_a_handle_held_before_the_threads_start_is_state(records):
+    dataset = HeldRecords(records, 8)
+    assert StateWatch(dataset).describe() == "HeldRecords holds file, a handle each read moves"
+    assert StateWatch(Subset(dataset, [0])).keeps_state  # found in a dataset it wraps too
+    assert not StateWatch(Records(records, 8)).keeps_state  # opened on the first read
+
+
+def test_auto_reads_a_dataset_holding_an_open_file_in_turns(records, moves, no_child_left):
+    """An open file cannot be given to worker processes: the threads take turns, from the
+    first read on, and read torch's samples (without turns they read each other's)."""
+    loader = torch_spdl.DataLoader(
+        HeldRecords(records, 512), batch_size=16, num_workers=4, shuffle=True, generator=seeded(0)
+    )
+    expected = torchs(Records(records, 512), shuffle=True, generator=seeded(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the processes could not start: said so
+        assert ours(loader) == expected
+    assert loader._auto.decision.executor == THREAD
+
+
+def test_threads_asked_for_read_a_held_handle_at_once_and_warn(records, no_leak):
+    loader = torch_spdl.DataLoader(
+        HeldRecords(records, 64), batch_size=16, num_workers=2, worker_method="thread"
+    )
+    with pytest.warns(UserWarning, match="HeldRecords holds file, a handle each read moves"):
+        list(loader)

@@ -18,11 +18,20 @@ reads then take turns, and it moves to worker processes, each given the dataset 
 (:meth:`StateWatch.pristine`), as torch's are; under ``"thread"`` a warning names the attributes.
 Only the first read is watched: state a dataset sets on a later read is not seen, nor a seed
 equal to the one it replaced.
+
+A handle the dataset holds before its threads start (a file or a tarfile opened in
+``__init__``, a PyAV container, seeked then read per sample) is state of the same kind, found
+as the watch is made: threads reading it at once read each other's samples, and PyAV's decoder
+crashes the process. torch's forked workers each have their own copy of such an object, though
+they share a file's position. It is handled as above: where the dataset cannot be pickled for
+worker processes (an open file cannot), its reads take turns.
 """
 
 from __future__ import annotations
 
 import copy
+import io
+import tarfile
 import threading
 import warnings
 import weakref
@@ -46,6 +55,35 @@ def _attributes(obj: Any) -> dict[str, Any] | None:
     except TypeError:  # no __dict__ (__slots__, a builtin)
         return None
     return state if isinstance(state, dict) else None
+
+
+def _reading_handle(value: Any) -> bool:
+    """Whether ``value`` is an open handle that reads from a position of its own: a readable
+    file object (``io``), a ``tarfile.TarFile`` or a PyAV container. A ``zipfile.ZipFile``
+    locks its own reads, and a memory map or ``np.memmap`` has no position."""
+    if isinstance(value, io.IOBase):
+        try:
+            return not value.closed and value.readable()
+        except (OSError, ValueError):
+            return False
+    if isinstance(value, tarfile.TarFile):
+        return not getattr(value, "closed", False)
+    kind = type(value)
+    return kind.__module__.startswith("av.") and hasattr(value, "demux")
+
+
+def _held_handles(
+    noted: dict[int, tuple[_Noted, dict[str, _Noted]]],
+) -> dict[int, tuple[str, dict[str, _Noted]]]:
+    """The datasets in ``noted`` that hold a reading handle, each with those attributes."""
+    found = {}
+    for key, (dataset, attributes) in noted.items():
+        names = {
+            name: value for name, value in attributes.items() if _reading_handle(value.value())
+        }
+        if names:
+            found[key] = (type(dataset.value()).__name__, names)
+    return found
 
 
 def _held_datasets(value: Any) -> list[Any] | None:
@@ -131,23 +169,28 @@ class StateWatch:
         self._turn = threading.Lock()
         self._settled = False  # the first read has returned (or raised)
         self._state: dict[int, tuple[str, dict[str, _Noted]]] = {}  # by id: type, names: before
+        self._held = _held_handles(self._before)  # handles held before: kept as they are
         self._reseeds = False  # the first read seeded torch's global generator
         self._warned = False
 
     @property
     def keeps_state(self) -> bool:
-        return bool(self._state) or self._reseeds
+        return bool(self._state) or self._reseeds or bool(self._held)
 
     def describe(self) -> str | None:
-        """What the dataset sets on itself as it reads, or None."""
+        """What the dataset holds, or sets on itself as it reads, or None."""
         if not self.keeps_state:
             return None
-        parts = [
-            f"{kind} sets {', '.join(names)} on itself" for kind, names in self._state.values()
+        held = [
+            f"{kind} holds {', '.join(names)}, a handle each read moves"
+            for kind, names in self._held.values()
         ]
+        sets = [f"{kind} sets {', '.join(names)} on itself" for kind, names in self._state.values()]
         if self._reseeds:
-            parts.append(f"{self._kind} seeds torch's global generator")
-        return f"{'; '.join(parts)} as it reads"
+            sets.append(f"{self._kind} seeds torch's global generator")
+        if sets:
+            held.append(f"{'; '.join(sets)} as it reads")
+        return "; ".join(held)
 
     def guard(self, read: Callable[[T], R], *, serial: bool) -> Callable[[T], R]:
         """``read`` for the worker threads: the first call alone, then all at once; where the
@@ -190,7 +233,8 @@ class StateWatch:
             f"{self.describe()}: its worker threads share one dataset object and one global "
             "generator, and so what it sets, where each of torch's worker processes has its "
             "own. A handle that is not safe to share between threads (a file read by seek and "
-            "read, a tarfile) then reads other samples' data, and a seed set for one sample is "
+            "read, a tarfile, a PyAV container) then reads other samples' data or crashes the "
+            "process, and a seed set for one sample is "
             "reset by the others. Keep handles in a threading.local() and draw from a "
             "torch.Generator of your own, or pass worker_method='auto' or 'process' to read "
             "this dataset in processes.",
