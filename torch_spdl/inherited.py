@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from .sampling import process_group
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -72,15 +74,9 @@ def capture() -> Settings:
         _deterministic(),
         torch.get_float32_matmul_precision(),
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-        _process_group(),
+        process_group(),
         torch.multiprocessing.get_sharing_strategy(),
     )
-
-
-def _process_group() -> tuple[int, int] | None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.get_rank(), dist.get_world_size()
 
 
 def _deterministic() -> tuple[bool, bool]:

@@ -90,12 +90,17 @@ class AutoEpochSampler(DistributedSampler):
         self.passes += 1
 
 
-def world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when a process group of more than one process is up, else None."""
+def process_group() -> tuple[int, int] | None:
+    """``(rank, world_size)`` of the default process group, None where none is up."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    size = dist.get_world_size()
-    return (dist.get_rank(), size) if size > 1 else None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when a process group of more than one process is up, else None."""
+    group = process_group()
+    return group if group is not None and group[1] > 1 else None
 
 
 def shared_seed(generator: torch.Generator | None) -> int:
@@ -399,6 +404,4 @@ class WorkerStreams:
 def dist_settings() -> tuple[int, int]:
     """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one (torch's
     ``_get_distributed_settings``, which decides how its loader shards a datapipe)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return process_group() or (0, 1)

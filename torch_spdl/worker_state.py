@@ -74,15 +74,14 @@ def _reading_handle(value: Any) -> bool:
 
 def _held_handles(
     noted: dict[int, tuple[_Noted, dict[str, _Noted]]],
-) -> dict[int, tuple[str, dict[str, _Noted]]]:
-    """The datasets in ``noted`` that hold a reading handle, each with those attributes."""
-    found = {}
-    for key, (dataset, attributes) in noted.items():
-        names = {
-            name: value for name, value in attributes.items() if _reading_handle(value.value())
-        }
+) -> list[tuple[str, list[str]]]:
+    """The datasets in ``noted`` that hold a reading handle: each one's type, and the names of
+    those attributes."""
+    found = []
+    for dataset, attributes in noted.values():
+        names = [name for name, value in attributes.items() if _reading_handle(value.value())]
         if names:
-            found[key] = (type(dataset.value()).__name__, names)
+            found.append((type(dataset.value()).__name__, names))
     return found
 
 
@@ -183,7 +182,7 @@ class StateWatch:
             return None
         held = [
             f"{kind} holds {', '.join(names)}, a handle each read moves"
-            for kind, names in self._held.values()
+            for kind, names in self._held
         ]
         sets = [f"{kind} sets {', '.join(names)} on itself" for kind, names in self._state.values()]
         if self._reseeds:
