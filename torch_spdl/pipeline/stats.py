@@ -10,6 +10,7 @@ behind a busy stage at most.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +37,7 @@ class WorkerRecord:
         "current",
         "started",
         "thread",
+        "lock",
     )
 
     def __init__(self) -> None:
@@ -48,6 +50,8 @@ class WorkerRecord:
         self.cpu = 0.0  # seconds on a CPU (time.thread_time) during the sampled tasks
         self.sampled = 0.0  # wall seconds of the sampled tasks
         self.recent: deque[float] = deque(maxlen=RECENT)
+        # copying a deque while another thread appends raises with the GIL off: both hold this
+        self.lock = threading.Lock()
         self.fill = 0  # sum of the output channel's occupancy after each put
         self.fills = 0
 
@@ -63,7 +67,13 @@ class WorkerRecord:
         if cpu is not None:
             self.cpu += cpu
             self.sampled += seconds
-        self.recent.append(seconds)
+        with self.lock:
+            self.recent.append(seconds)
+
+    def recent_times(self) -> list[float]:
+        """A copy of ``recent``, read from another thread while the worker adds to it."""
+        with self.lock:
+            return list(self.recent)
 
     def filled(self, occupancy: int) -> None:
         self.fill += occupancy
@@ -152,7 +162,7 @@ class StageStats:
         records = list(self.records)
         done = sum(r.done for r in records)
         busy = sum(r.busy for r in records)
-        recent = sorted(t for r in records for t in list(r.recent))
+        recent = sorted(t for r in records for t in r.recent_times())
         fills = sum(r.fills for r in records)
         return StageReport(
             name=self.name,
