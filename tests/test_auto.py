@@ -132,16 +132,17 @@ def test_a_dataset_with_state_goes_to_processes_whatever_the_gil_does():
     for figures in (measured(), measured(stage_wait=0.5), measured(busy_cores=0.1)):
         for gil_enabled in (True, False):
             decision = decide(figures, cpus=16, gil_enabled=gil_enabled, keeps_state=STATE)
-            assert decision.executor == PROCESS and decision.final
+            assert decision.executor == PROCESS and not decision.deferred
             assert decision.reason == f"{STATE}: worker processes, each with a copy of its own"
 
 
 def test_a_dataset_with_state_that_cannot_move_is_read_in_turns():
     decision = decide(measured(), keeps_state=STATE, no_processes="it cannot be pickled")
-    assert decision.executor == THREAD and decision.final
+    assert decision.executor == THREAD and not decision.deferred
     assert decision.reason.endswith("it cannot be pickled: its threads take turns reading it")
     short = decide(measured(batch_cpu_ms=1.0), keeps_state=STATE, remaining_tasks=4)
-    assert short.executor == THREAD and not short.final and "too short" in short.reason
+    assert short.executor == PROCESS and short.deferred and "too short" in short.reason
+    assert short.reason.endswith("until then its threads take turns reading it")
 
 
 def test_what_keeps_a_gil_bound_stage_on_threads():
@@ -151,9 +152,55 @@ def test_what_keeps_a_gil_bound_stage_on_threads():
     no = decide(bound, cpus=16, no_processes="max_failures needs hooks")
     assert (no.executor, no.reason.endswith("but max_failures needs hooks")) == (THREAD, True)
     # 100 tasks of 20 ms on 4 threads: half a second left, too little to start processes for
+    # from the next pass: this one ends on its threads
     short = decide(bound, cpus=16, remaining_tasks=100)
-    assert (short.executor, short.final) == (THREAD, False)
-    assert decide(bound, cpus=16, remaining_tasks=100_000).executor == PROCESS
+    assert (short.executor, short.deferred) == (PROCESS, True)
+    assert "from the next pass" in short.reason
+    now = decide(bound, cpus=16, remaining_tasks=100_000)
+    assert (now.executor, now.deferred) == (PROCESS, False)
+
+
+@pytest.mark.parametrize(
+    ("workers", "tasks_per_batch", "total", "needed"),
+    [
+        (4, 1, None, 2 * 4),  # a batch-level stage: two batches per worker
+        (4, 1, 1000, 2 * 4),
+        (15, 1, 16, 8),  # a pass of 16 batches on 15 workers decides halfway through it
+        (4, 32, None, 32),  # a sample stage: a batch's samples at least
+        (2, 3, None, 2 * 2),
+        (4, 1, 1, 1),
+    ],
+)
+def test_a_trial_waits_for_two_tasks_per_worker_a_batch_and_half_the_pass_at_most(
+    workers, tasks_per_batch, total, needed
+):
+    assert auto.TRIAL_TASKS_PER_WORKER == 2
+    assert Trial(workers, tasks_per_batch, total).needed == needed
+
+
+def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads():
+    kept = []
+    starts = []
+    trial = Trial(1, total=2)
+    switch = Switch(
+        lambda task: task * 2,
+        "fetch",
+        start=lambda worker: None,
+        make_pool=lambda: starts.append(1),
+        conclude=lambda trial: Decision(PROCESS, "test", deferred=True),
+        trial=trial,
+        keep=kept.append,
+    )
+    switch.on_start(0)
+    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    trial.consumer.count = auto.TRIAL_STEPS
+    assert [switch(task) for task in range(3)] == [0, 2, 4]
+    assert switch.decision is not None and switch.decision.deferred
+    assert kept == [switch.decision] and switch.route == THREAD and starts == []
+    state = auto.AutoState()
+    state.keep(switch.decision)
+    assert state.decision is switch.decision
+    switch.close()
 
 
 # -- the measurement --------------------------------------------------------------------------
@@ -287,7 +334,7 @@ def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_o
     take, once; else the stage routes its tasks to the pool and nobody may take it."""
     pool = _FakePool()
     trial = Trial(1, tasks_per_batch=2)
-    tasks = range(auto.TRIAL_TASKS_PER_WORKER * 2)  # the trial is ready on the last of them
+    tasks = range(trial.needed)  # the trial is ready on the last of them
     switch = Switch(
         lambda task: task * 2,
         "fetch",
@@ -360,6 +407,26 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     assert executor.startswith("worker_method='auto' chose process"), executor
     assert pids - {os.getpid()}, "no batch came from a worker process"
     # the next pass starts in processes: every batch from a worker process
+    got, pids = indices_of(loader)
+    assert got == expected and os.getpid() not in pids
+    assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
+def test_passes_too_short_to_move_in_start_the_next_in_processes(no_child_left, monkeypatch):
+    """Twelve batches on two threads: the trial ends halfway through the pass, too late to start
+    processes for the rest of it, so the next pass starts in them; torch's samples throughout."""
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    dataset = PythonSamples(48, 300_000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=4))
+    loader = torch_spdl.DataLoader(dataset, batch_size=4, num_workers=2)
+    got, pids = indices_of(loader)
+    assert (got, pids) == (expected, {os.getpid()})
+    executor = loader.stats().executor
+    if not GIL_ON:
+        assert executor.startswith("worker_method='auto' chose thread: the GIL is off"), executor
+        return
+    assert executor.startswith("worker_method='auto' chose process"), executor
+    assert "from the next pass" in executor, executor
     got, pids = indices_of(loader)
     assert got == expected and os.getpid() not in pids
     assert [report.kind for report in loader.stats().stages] == ["process"]

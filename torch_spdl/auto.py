@@ -28,8 +28,8 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   :mod:`torch_spdl.worker_state`); where they cannot start, its threads take turns.
 - **threads** otherwise, and always with the GIL off (free-threaded Python), on one core, for a
   stage that cannot move (an unpicklable dataset, an iterable's stream, a script without a main
-  guard) and when what is left of the pass is too short to pay for starting processes
-  (:data:`MIN_REMAINING_S`).
+  guard). Where what is left of the pass is too short to pay for starting processes
+  (:data:`MIN_REMAINING_S`), they start with the next pass and this one ends on threads.
 
 A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
 ``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -69,6 +70,7 @@ TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
 
 THREAD, PROCESS, INLINE = "thread", "process", "inline"
+NEXT_PASS = "from the next pass (what is left of this one is too short to start them)"
 
 
 class ThreadClock:
@@ -238,7 +240,7 @@ class Decision:
     executor: str
     reason: str
     measured: Measured | None = None
-    final: bool = True  # False: decided for this pass only (it was too short to move)
+    deferred: bool = False  # from the next pass on: what is left of this one is too short to move
 
     def __str__(self) -> str:
         figures = "" if self.measured is None else f" ({self.measured.describe()})"
@@ -297,12 +299,7 @@ def decide(
     if cpus < 2:
         return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
     if _too_short(measured, remaining_tasks):
-        return Decision(
-            THREAD,
-            f"{bound}, but what is left of this pass is too short to start processes",
-            measured,
-            final=False,
-        )
+        return Decision(PROCESS, f"{bound}: worker processes {NEXT_PASS}", measured, deferred=True)
     return Decision(PROCESS, f"{bound}: worker processes", measured)
 
 
@@ -322,17 +319,12 @@ def _for_state(
     turns = "its threads take turns reading it"
     if no_processes is not None:
         return Decision(THREAD, f"{keeps_state}, but {no_processes}: {turns}", measured)
+    copies = "worker processes, each with a copy of its own"
     if _too_short(measured, remaining_tasks):
         return Decision(
-            THREAD,
-            f"{keeps_state}, but what is left of this pass is too short to start processes: "
-            f"{turns}",
-            measured,
-            final=False,
+            PROCESS, f"{keeps_state}: {copies}, {NEXT_PASS}; until then {turns}", measured, True
         )
-    return Decision(
-        PROCESS, f"{keeps_state}: worker processes, each with a copy of its own", measured
-    )
+    return Decision(PROCESS, f"{keeps_state}: {copies}", measured)
 
 
 @dataclass
@@ -342,6 +334,7 @@ class Trial:
 
     workers: int
     tasks_per_batch: float = 1.0
+    total: int | None = None  # the pass's tasks, where its length is known
     stage: Tally = field(default_factory=Tally)
     consumer: Tally = field(default_factory=Tally)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -403,11 +396,19 @@ class Trial:
         if knocker is not None:
             knocker.stop()
 
+    @property
+    def needed(self) -> int:
+        """The tasks the trial waits for: :data:`TRIAL_TASKS_PER_WORKER` per worker and a batch's
+        at least, but half the pass at most, so that a short pass still decides (for the passes
+        after it, where what is left of it is too short to move)."""
+        needed = max(TRIAL_TASKS_PER_WORKER * self.workers, math.ceil(self.tasks_per_batch))
+        return needed if self.total is None else max(1, min(needed, self.total // 2))
+
     def ready(self) -> bool:
         began = self._began
         return (
             began is not None
-            and self.stage.count >= TRIAL_TASKS_PER_WORKER * self.workers * self.tasks_per_batch
+            and self.stage.count >= self.needed
             and self.consumer.count >= TRIAL_STEPS
             and time.perf_counter() - began >= TRIAL_S
         )
@@ -468,12 +469,11 @@ def _exact_timers() -> bool:
 
 @dataclass
 class AutoState:
-    """What ``"auto"`` decided for one loader, kept across its passes: a final decision is
-    acted on from the next pass's start and not measured again."""
+    """What ``"auto"`` decided for one loader, kept across its passes: a decision is acted on
+    from the next pass's start and not measured again."""
 
     decision: Decision | None = None
 
     def keep(self, decision: Decision) -> None:
-        """Keep ``decision`` for the next passes, if it is final."""
-        if decision.final:
-            self.decision = decision
+        """Keep ``decision`` for the next passes."""
+        self.decision = decision

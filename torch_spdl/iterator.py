@@ -365,14 +365,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return fn, start
         decided = self._plan.decision
         inline_possible = name == "fetch" and self._transfer is None
+        total = self._pass_tasks(tasks_per_batch)
         make_pool = process_pool(self, loader, self._moved)
         switch = Switch(
             fn,
             name,
             start=start,
             make_pool=make_pool,
-            conclude=self._concluder(loader, inline_possible, tasks_per_batch, make_pool.unsafe),
-            trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch),
+            conclude=self._concluder(loader, inline_possible, total, make_pool.unsafe),
+            trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch, total),
             route=THREAD if decided is None else decided.executor,
             hands_over=self._moved is not None,
             keep=loader._auto.keep,
@@ -385,19 +386,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self,
         loader: DataLoader,
         inline_possible: bool,
-        tasks_per_batch: int,
+        total: int | None,
         unsafe: Callable[[], str | None],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
-        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it pickles
-        the dataset to look, so it is asked only where a trial ends in processes."""
+        ``total``: the pass's tasks, if known; ``unsafe`` says why processes must not start
+        (:meth:`PoolStarter.unsafe`); it pickles the dataset to look, so it is asked only where
+        a trial ends in processes."""
         budget = None
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
-        try:
-            total: int | None = len(self._index_sampler) * tasks_per_batch
-        except TypeError:
-            total = None
         watch = loader._watch if self._plan.hooks is None and not self._plan.copies else None
 
         def conclude(trial: Trial) -> Decision:
@@ -418,6 +416,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return decision
 
         return conclude
+
+    def _pass_tasks(self, tasks_per_batch: int) -> int | None:
+        """The CPU stage's tasks in this pass; None where the sampler has no length."""
+        try:
+            return len(self._index_sampler) * tasks_per_batch
+        except TypeError:
+            return None
 
     def _staged(
         self,

@@ -117,6 +117,8 @@ class Switch:
             decision = self._conclude(trial)
             self.decision = decision
             self._keep(decision)  # processes that come up after this pass serve the next
+            if decision.deferred:  # the next pass starts on its executor; this one, on threads
+                return
             if decision.executor == PROCESS:
                 self._starter = threading.Thread(
                     target=in_thread(self._start_pool), name="torch_spdl.auto-start", daemon=False
