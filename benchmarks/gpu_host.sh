@@ -63,7 +63,7 @@ print(d.synthetic_imagefolder(d.ImageSpec($IMAGES)))"
 step cuda_tests 120 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
     tests/test_transfer.py tests/test_pin_memory.py tests/test_io.py
 step train_e2e 150 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 --steps 40 \
-    --warmup 8 --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode
+    --warmup 8 --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode --stats
 step bench_A 120 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
     --batches 8 --no-analysis --out /tmp/gpu_host_bench
 step decoders 40 $PY benchmarks/gpu_decoders.py --images "$IMAGES" --repeats 8

@@ -18,7 +18,7 @@ Usage::
 
     python benchmarks/train_e2e.py [--data DIR] [--workers 15] [--batch-size 256]
                                    [--steps 60] [--warmup 10] [--rounds 3]
-                                   [--loaders torch,torch_spdl,torch_spdl:process]
+                                   [--loaders torch,torch_spdl,torch_spdl:process] [--stats]
 
 Loaders: ``torch``; ``torch_spdl`` (the import swapped) and ``torch_spdl:<worker_method>``;
 ``torch_spdl:fast`` (workload A's hooks with :class:`torch_spdl.io.RandomResizedCrop`, native
@@ -135,9 +135,13 @@ def loader_batches(
         method = name.partition(":")[2] or None
         extra = {"worker_method": method} if method else {}
         loader = torch_spdl.DataLoader(folder, device=device if cuda else None, **common, **extra)
-    while True:
-        for images, labels in loader:
-            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    try:
+        while True:
+            for images, labels in loader:
+                yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    finally:  # closed after its timed steps: where a torch_spdl loader's stages stood
+        if args.stats and isinstance(loader, torch_spdl.DataLoader):
+            say(f"{name}: loader.stats() after its last batch\n{loader.stats()}")
 
 
 def rounds(
@@ -201,6 +205,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loaders", default="torch,torch_spdl,torch_spdl:process")
+    parser.add_argument(
+        "--stats", action="store_true", help="print each torch_spdl loader's stats() at its end"
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     args.batch_size = args.batch_size or (256 if cuda else 32)

@@ -178,6 +178,20 @@ def test_a_trial_waits_for_two_tasks_per_worker_a_batch_and_half_the_pass_at_mos
     assert Trial(workers, tasks_per_batch, total).needed == needed
 
 
+def test_a_trial_of_long_tasks_needs_one_per_worker():
+    def ready(count: int, task_s: float) -> bool:
+        trial = Trial(4)
+        trial._began = time.perf_counter() - 1  # a trial that has run long enough
+        trial.consumer.count = auto.TRIAL_STEPS
+        trial.stage.count, trial.stage.wall = count, count * task_s
+        return trial.ready()
+
+    assert not ready(3, 1.0)  # not every worker's yet
+    assert ready(4, auto.TRIAL_S)  # a task of 0.3 s or more on each worker
+    assert not ready(4, auto.TRIAL_S / 2)  # short tasks: two per worker
+    assert ready(8, 0.001)
+
+
 def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads():
     kept = []
     starts = []

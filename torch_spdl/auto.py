@@ -408,9 +408,18 @@ class Trial:
         began = self._began
         return (
             began is not None
-            and self.stage.count >= self.needed
+            and self._enough_tasks()
             and self.consumer.count >= TRIAL_STEPS
             and time.perf_counter() - began >= TRIAL_S
+        )
+
+    def _enough_tasks(self) -> bool:
+        """:attr:`needed` tasks done, or one per worker where they take :data:`TRIAL_S` or more
+        each: a batch of large images on many threads that take turns on the GIL can take
+        seconds, and a second round of them would double the trial for no new figure."""
+        count = self.stage.count
+        return count >= self.needed or (
+            count >= self.workers and self.stage.wall >= TRIAL_S * count
         )
 
     def measured(self) -> Measured:
