@@ -41,7 +41,6 @@ def measured(
 
 
 GIL_ON = gil.gil_enabled()  # free-threaded Python with the GIL off: threads are where stages scale
-FIELDS = [field.name for field in dataclasses.fields(Measured)]  # knocks last
 
 
 # -- the rule ---------------------------------------------------------------------------------
@@ -79,10 +78,7 @@ def test_a_loop_that_needs_no_gil_is_not_slowed_by_the_stage():
 
 def test_a_probe_that_saw_too_little_says_nothing():
     figures = measured(stage_wait=0.05, gil_wait_us=100)
-    figures = Measured(
-        *[getattr(figures, f) for f in FIELDS[:-1]],
-        Tally(auto.MIN_KNOCK_S / 2, 0.0001, 0.0, 2),
-    )
+    figures = dataclasses.replace(figures, knocks=Tally(auto.MIN_KNOCK_S / 2, 0.0001, 0.0, 2))
     assert figures.gil_wait_s == 0.0 and figures.gil_busy == 0.0
     assert decide(figures, cpus=16).executor == THREAD
 
@@ -94,7 +90,7 @@ def test_a_gil_that_is_rarely_free_sends_the_stage_to_processes():
     assert starved.gil_busy == pytest.approx(0.75)
     assert decide(starved, cpus=16).executor == PROCESS
     # a few long knocks are enough: a starved probe knocks rarely
-    few = Measured(*[getattr(starved, f) for f in FIELDS[:-1]], Tally(0.03, 0.0, 0.0, 3))
+    few = dataclasses.replace(starved, knocks=Tally(0.03, 0.0, 0.0, 3))
     assert few.gil_busy == 1.0 and decide(few, cpus=16).executor == PROCESS
 
 
@@ -190,6 +186,27 @@ def test_a_trial_of_long_tasks_needs_one_per_worker():
     assert ready(4, auto.TRIAL_S)  # a task of 0.3 s or more on each worker
     assert not ready(4, auto.TRIAL_S / 2)  # short tasks: two per worker
     assert ready(8, 0.001)
+
+
+def test_a_trial_counts_the_tasks_begun_those_still_running_included():
+    """What processes could take is what the threads have not begun: a task they run stays."""
+    trial = Trial(2)
+    running, release = threading.Event(), threading.Event()
+
+    def slow(task: int) -> int:
+        running.set()
+        release.wait()
+        return task
+
+    thread = threading.Thread(target=trial.run, args=(slow, 0))
+    thread.start()
+    running.wait()
+    assert [trial.run(lambda task: task, task) for task in (1, 2)] == [1, 2]
+    measured = trial.measured()
+    assert (measured.started, measured.stage.count) == (3, 2)
+    release.set()
+    thread.join()
+    assert (trial.measured().started, trial.stage.count) == (3, 3)
 
 
 def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads():

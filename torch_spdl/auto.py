@@ -153,6 +153,7 @@ class Measured:
     tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
     knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
+    started: int = 0  # tasks begun on the threads, those still running there included
 
     @property
     def busy_cores(self) -> float:
@@ -266,7 +267,7 @@ def decide(
     keeps_state: str | None = None,
 ) -> Decision:
     """The rule (see the module's docstring). ``no_processes`` says why the stage cannot move to
-    processes, if it cannot; ``remaining_tasks`` is what is left of the pass, if known;
+    processes, if it cannot; ``remaining_tasks``: the pass's tasks not yet begun, if known;
     ``keeps_state`` what the dataset sets on itself as it reads, if it does."""
     if keeps_state is not None:
         return _for_state(measured, keeps_state, no_processes, remaining_tasks)
@@ -345,14 +346,15 @@ class Trial:
     knocks: Tally = field(default_factory=Tally)
     _knocker: Knocker | None = None
     _stopped: bool = False
+    started: int = 0  # tasks begun on the threads: done, or still running there
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
-        if self._began is None:
-            with self._lock:
-                if self._began is None:
-                    self._process_cpu = time.process_time()
-                    self._began = time.perf_counter()
+        with self._lock:
+            if self._began is None:
+                self._process_cpu = time.process_time()
+                self._began = time.perf_counter()
+            self.started += 1
         begin = ThreadClock.read()
         try:
             return fn(task)
@@ -435,6 +437,7 @@ class Trial:
                 self.tasks_per_batch,
                 now - (self._first_step or now),
                 dataclasses.replace(self.knocks),
+                self.started,
             )
 
 

@@ -400,7 +400,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
-            remaining = None if total is None else max(0, total - measured.stage.count)
+            # what processes could take: the tasks the threads have not begun
+            remaining = None if total is None else max(0, total - measured.started)
             rule = functools.partial(
                 decide,
                 measured,
