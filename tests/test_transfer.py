@@ -6,7 +6,9 @@ The CUDA tests are marked ``cuda`` and skip cleanly where no GPU is present.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import pickle
 from typing import NamedTuple
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torch_spdl import DataLoader, StagedDataset
-from torch_spdl.transfer import map_tensors, rank_device, resolve_device
+from torch_spdl.transfer import SideStreams, map_tensors, rank_device, resolve_device
 from torch_spdl.transforms import IMAGENET_MEAN, IMAGENET_STD, imagenet_normalize
 
 pytestmark = pytest.mark.usefixtures("no_leak")
@@ -170,6 +172,26 @@ def test_plain_cuda_means_this_ranks_gpu(monkeypatch):
     assert resolve_device(None) is None
 
 
+def test_a_loader_keeps_one_transfer_stream_per_device_for_all_its_passes(monkeypatch):
+    made = []
+
+    class Stream:
+        def __init__(self, device):
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    streams = SideStreams()
+    first = streams.get(torch.device("cuda", 0))
+    assert streams.get(torch.device("cuda", 0)) is first
+    assert streams.get(torch.device("cuda", 1)) is not first
+    assert streams.get(torch.device("cpu")) is None
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for copied in (copy.deepcopy(streams), pickle.loads(pickle.dumps(streams))):
+        assert copied.get(torch.device("cuda", 0)) is not first  # a copy makes its own
+    loader = DataLoader(Images(), batch_size=4, device="cpu")
+    assert isinstance(copy.deepcopy(loader)._side_streams, SideStreams)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @needs_cuda
@@ -232,3 +254,32 @@ def test_pinned_staging_is_reused_and_memory_does_not_grow():
     assert torch.cuda.host_memory_stats()["num_host_alloc"] <= host_blocks + 2
     assert torch.cuda.memory_allocated() <= device_bytes + 8 * 3 * 64 * 64
     del it
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_passes_copy_on_one_stream_and_reserve_no_more_memory():
+    """The caching allocator reuses a freed block only on its own stream: were each pass to copy
+    on a new one (torch hands out 32 in turn), every pass would reserve blocks of its own (a
+    segment of 20 MiB at least)."""
+
+    class Big(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, index):
+            return torch.full((3, 512, 512), index, dtype=torch.uint8)
+
+    loader = DataLoader(Big(), batch_size=8, num_workers=2, device="cuda")
+    streams = set()
+    for n in range(40):
+        it = iter(loader)
+        streams.add(it._transfer.stream)
+        assert len(list(it)) == 4
+        del it
+        if n == 1:
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
+    torch.cuda.synchronize()
+    assert len(streams) == 1
+    assert torch.cuda.memory_reserved() <= reserved + 2 * 20 * 2**20

@@ -39,6 +39,7 @@ from .sampling import (
 from .stats import LoaderStats, StatsProbe
 from .stream_state import is_stateful
 from .thread_safety import thread_safe_view
+from .transfer import SideStreams
 from .worker_state import StateWatch, watch
 from .workers import worker_starter
 
@@ -189,6 +190,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._watch: StateWatch | None = None  # made before worker threads first read
         self._cache = self._make_cache()
         self._preloaded = False
+        self._side_streams = SideStreams()  # the transfer stage's CUDA streams, every pass's
         # What the loader's own iterator reads (`_index_sampler`): the samplers torch built, or
         # under DDP their per-rank equivalents. `sampler` and `batch_sampler` stay what torch's
         # loader shows, for code that reads them or rebuilds a loader from them.

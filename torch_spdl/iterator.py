@@ -133,7 +133,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         device = resolve_device(loader.device)
         if device is None:
             return None
-        return DeviceTransfer(rank_device(device), loader.device_transform)
+        device = rank_device(device)
+        stream = loader._side_streams.get(device)
+        return DeviceTransfer(device, loader.device_transform, stream)
 
     def _pinner(self) -> Callable[[Any], Any] | None:
         """How a finished batch is pinned, or None. Where torch would pin (pin_memory=True and an

@@ -6,6 +6,7 @@ that collated it, it issues ``non_blocking`` copies on that stream, runs ``devic
 consumer's thread, just before it receives the batch, makes *its* current stream wait on that
 event — no host synchronisation per batch — and ``record_stream``s every output tensor so the
 caching allocator cannot hand the memory to the side stream again while the model still reads it.
+A loader's passes share one such stream per device (:class:`SideStreams`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import abc
 import copy
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -99,13 +101,46 @@ class InFlight:
     event: torch.cuda.Event
 
 
-class DeviceTransfer:
-    """Moves batches to ``device`` (and applies ``transform`` there); see the module docstring."""
+class SideStreams:
+    """A loader's transfer stream on each CUDA device, the same for every pass. The caching
+    allocator reuses a freed block only on the stream it was allocated on, and ``Stream()``
+    hands out torch's 32 pooled streams in turn: a new stream each pass would keep a pass's
+    worth of device memory (decoded images, with ``decode_on="cuda"``) cached on each of them.
+    A copied loader starts with none."""
 
-    def __init__(self, device: torch.device, transform: Transform | None) -> None:
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # two iterators of a loader may start at once
+
+    def get(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream for ``device``; None for a device without streams (the CPU)."""
+        if device.type != "cuda":
+            return None
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def __reduce__(self) -> tuple[type[SideStreams], tuple[()]]:
+        return SideStreams, ()
+
+
+class DeviceTransfer:
+    """Moves batches to ``device`` (and applies ``transform`` there); see the module docstring.
+    ``stream``: the side stream to copy on (default: a new one, on CUDA)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        transform: Transform | None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.device = device
         self.transform = transform
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if stream is None and device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+        self.stream = stream
 
     def start(self, worker_id: int) -> None:
         """The transfer thread's on_start: tensors a transform creates land on our device."""
