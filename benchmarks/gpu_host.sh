@@ -11,7 +11,7 @@
 #   2. cuda_tests    pytest -m cuda: transfer, pinning, GPU decode (test_io needs av)
 #   3. train_e2e     ResNet-50 (bf16, channels_last) fed by torch, the import swap, the fast
 #                    path and GPU decode, against the model alone (issue 16's end-to-end target,
-#                    issue 18's GPU-decode one)
+#                    issue 18's GPU-decode one); a first pass untimed, its seconds reported
 #   4. bench_A       workload A at 1, 8 and 16 workers: threads against torch's processes, and
 #                    the GPU-decode variant (issue 18's loader-alone target)
 #   5. decoders      torchvision's nvJPEG against nvImageCodec on the GPU (issue 18's choice)
@@ -65,7 +65,7 @@ print(d.synthetic_imagefolder(d.ImageSpec($IMAGES)))"
 step cuda_tests 60 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
     tests/test_transfer.py tests/test_pin_memory.py tests/test_io.py
 step train_e2e 150 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 --steps 40 \
-    --warmup 8 --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode --stats
+    --warmup $((IMAGES / 256)) --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode --stats
 step bench_A 90 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
     --batches 8 --no-analysis --out /tmp/gpu_host_bench
 step decoders 30 $PY benchmarks/gpu_decoders.py --images "$IMAGES" --repeats 8

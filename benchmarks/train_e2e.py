@@ -13,6 +13,10 @@ The dataset is ``torchvision.datasets.ImageFolder`` with the classic transforms
 (``RandomResizedCrop(224)``, flip, ``PILToTensor``), as an ImageNet script has it, over
 ``--data DIR`` or the bench's synthetic ImageNet-like folder. Loaders run in interleaved rounds
 (each round: model alone, then every loader in a rotating order); the table gives medians.
+The ``--warmup`` steps are not timed, and their seconds have a column of their own: the
+loader's start, and, with a warm-up of a whole pass (the data set's images over the batch
+size), what ``worker_method="auto"`` measures and moves in it, so that the timed steps are a
+training job's next epochs.
 
 Usage::
 
@@ -59,6 +63,8 @@ class Run:
     images_per_s: float
     stall: float  # share of the timed wall time spent in next()
     main_cpu_per_1000: float  # CPU s of this process per 1,000 images, the training included
+    warmup_s: float = 0.0  # the untimed steps: the loader's start (and, where its first pass is
+    # all of them, what worker_method="auto" measured and moved)
 
 
 class Trainer:
@@ -93,7 +99,7 @@ def timed_steps(
     trainer: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], warmup: int, steps: int
 ) -> Run:
     """Train on ``warmup + steps`` batches from ``batches``; time the last ``steps``."""
-    waited = 0.0
+    waited, began = 0.0, time.perf_counter()
     for k in range(warmup + steps):
         if k == warmup:
             trainer.sync()
@@ -105,7 +111,8 @@ def timed_steps(
     trainer.sync()
     seconds = time.perf_counter() - start
     images = steps * trainer.batch_size
-    return Run(images / seconds, waited / seconds, 1000 * (time.process_time() - cpu) / images)
+    cpu_per_1000 = 1000 * (time.process_time() - cpu) / images
+    return Run(images / seconds, waited / seconds, cpu_per_1000, start - began)
 
 
 def model_alone(trainer: Trainer, warmup: int, steps: int) -> Run:
@@ -163,7 +170,7 @@ def rounds(
 def describe(run: Run) -> str:
     return (
         f"{run.images_per_s:,.0f} img/s, stall {100 * run.stall:.1f} %, "
-        f"main CPU {run.main_cpu_per_1000:.2f} s/1k"
+        f"main CPU {run.main_cpu_per_1000:.2f} s/1k, warm-up {run.warmup_s:.1f} s"
     )
 
 
@@ -176,17 +183,19 @@ def table(runs: dict[str, list[Run]], trainer: Trainer, args: argparse.Namespace
         f"steps, medians of {args.rounds} interleaved rounds; {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
         "",
-        "| loader | img/s | × torch | % of model alone | data stall | main CPU s/1k img |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| loader | img/s | × torch | % of model alone | data stall | main CPU s/1k img "
+        "| warm-up (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, found in runs.items():
         rate = statistics.median(r.images_per_s for r in found)
         stall = statistics.median(r.stall for r in found)
         cpu = statistics.median(r.main_cpu_per_1000 for r in found)
+        warmup = statistics.median(r.warmup_s for r in found)
         ratio = f"{rate / torch_rate:.2f}" if torch_rate else ""
         lines.append(
             f"| {name} | {rate:,.0f} | {ratio} | {100 * rate / limit:.0f} % | "
-            f"{100 * stall:.1f} % | {cpu:.2f} |"
+            f"{100 * stall:.1f} % | {cpu:.2f} | {warmup:.1f} |"
         )
     return "\n".join(lines)
 
