@@ -537,11 +537,11 @@ def decides(monkeypatch):
     switch's own behaviour, apart from what a busy test machine measures. Told why processes
     cannot start, it stays on threads, as :func:`decide` does."""
 
-    def set_executor(executor: str) -> None:
+    def set_executor(executor: str, deferred: bool = False) -> None:
         def fixed(measured, no_processes=None, **_):
             if executor == PROCESS and no_processes is not None:
                 return Decision(THREAD, f"the test decided, but {no_processes}", measured)
-            return Decision(executor, "the test decided", measured)
+            return Decision(executor, "the test decided", measured, deferred)
 
         monkeypatch.setattr(torch_spdl.iterator, "decide", fixed)
         monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
@@ -1082,6 +1082,21 @@ def test_a_staged_dataset_moved_to_processes_late_is_read_whole_from_the_next_pa
         assert indices(batches) == indices(list(reference))
         assert ("each worker loads" in loader.stats().plan) == (epoch > 0), loader.stats().plan
         assert {loaded_whole(batch) for batch in batches} == {epoch > 0}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_sent_to_processes_from_the_next_pass_is_read_whole_from_it(
+    no_leak, decides, persistent
+):
+    """Decided too late in its first pass to move, it ends that pass split on its threads, with
+    no process started, and reads every pass after it whole in processes: torch's batches."""
+    decides(PROCESS, deferred=True)
+    loader, reference = staged_pair(200, persistent)
+    for epoch in range(3):
+        batches = list(loader)
+        assert indices(batches) == indices(list(reference))
+        assert {loaded_whole(batch) for batch in batches} == {epoch > 0}
+        assert ("each worker loads" in loader.stats().plan) == (epoch > 0), loader.stats().plan
 
 
 @pytest.mark.parametrize("persistent", [False, True])
