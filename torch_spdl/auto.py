@@ -323,7 +323,10 @@ def _for_state(
     copies = "worker processes, each with a copy of its own"
     if _too_short(measured, remaining_tasks):
         return Decision(
-            PROCESS, f"{keeps_state}: {copies}, {NEXT_PASS}; until then {turns}", measured, True
+            PROCESS,
+            f"{keeps_state}: {copies}, {NEXT_PASS}; until then {turns}",
+            measured,
+            deferred=True,
         )
     return Decision(PROCESS, f"{keeps_state}: {copies}", measured)
 

@@ -128,18 +128,13 @@ class SideStreams:
 
 class DeviceTransfer:
     """Moves batches to ``device`` (and applies ``transform`` there); see the module docstring.
-    ``stream``: the side stream to copy on (default: a new one, on CUDA)."""
+    ``stream``: the side stream to copy on (:meth:`SideStreams.get`: None off CUDA)."""
 
     def __init__(
-        self,
-        device: torch.device,
-        transform: Transform | None,
-        stream: torch.cuda.Stream | None = None,
+        self, device: torch.device, transform: Transform | None, stream: torch.cuda.Stream | None
     ) -> None:
         self.device = device
         self.transform = transform
-        if stream is None and device.type == "cuda":
-            stream = torch.cuda.Stream(device)
         self.stream = stream
 
     def start(self, worker_id: int) -> None:
