@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import pickle
 import random
 import types
 import warnings
@@ -656,6 +657,28 @@ def test_without_a_gpu_decoder_the_cpu_decodes_and_says_why_once():
     assert [type(out) for out in outs] == [torch.Tensor] * 3
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and "CUDA is not available on this machine" in said[0]
+
+
+def test_a_crop_sent_to_a_worker_keeps_the_senders_answer_on_the_gpu_decode(monkeypatch):
+    """The decode happens in the sender's transfer stage: a worker process that sees no GPU
+    (one forked from a process that initialised CUDA, as on a GPU host) still defers it."""
+    from torch_spdl.io import crop as crop_module
+
+    asked = []
+
+    def available_here(device):
+        asked.append(device)
+        return None
+
+    monkeypatch.setattr(crop_module, "gpu_decode_unavailable", available_here)
+    sent = pickle.dumps(RandomResizedCrop(32, decode_on="cuda"))
+    monkeypatch.setattr(crop_module, "gpu_decode_unavailable", lambda device: "no GPU here")
+    received = pickle.loads(sent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "decoded on the CPU" warning either
+        outs = [received(jpeg(60, 80, seed=i)) for i in range(2)]
+    assert [type(out) for out in outs] == [EncodedImage] * 2
+    assert asked == [torch.device("cuda")]  # asked once, by the sender
 
 
 @pytest.mark.cuda

@@ -175,7 +175,16 @@ class RandomResizedCrop:
         self.decode_on = None if decode_on is None else torch.device(decode_on)
         self.region = region
         self._warned = False
+        self._unavailable: str | None = None  # why the decode cannot be deferred, once decided
+        self._decided = False
         self._load_region_decoder()
+
+    def __getstate__(self) -> dict:
+        """Decided before it is sent: the decode happens in the sender's transfer stage, and a
+        worker process may see no GPU (one forked from a process that initialised CUDA cannot
+        use it), which would turn a deferred decode into a CPU one in every worker."""
+        self._decide()
+        return self.__dict__.copy()
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -236,19 +245,25 @@ class RandomResizedCrop:
             )
         return resized_crop(image, box, self.size, antialias=self.antialias)
 
+    def _decide(self) -> None:
+        """Whether the decode can be deferred to ``decode_on``, asked once."""
+        if self.decode_on is not None and not self._decided:
+            self._unavailable = gpu_decode_unavailable(self.decode_on)
+            self._decided = True
+
     def _deferred(self) -> bool:
         """Whether to leave the decode to the loader's transfer stage on ``decode_on``; where
         that cannot be done, the CPU decodes, and says why once."""
         if self.decode_on is None:
             return False
-        why = gpu_decode_unavailable(self.decode_on)
-        if why is None:
+        self._decide()
+        if self._unavailable is None:
             return True
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"RandomResizedCrop(decode_on={str(self.decode_on)!r}): {why}; images are "
-                "decoded on the CPU, in preprocess",
+                f"RandomResizedCrop(decode_on={str(self.decode_on)!r}): {self._unavailable}; "
+                "images are decoded on the CPU, in preprocess",
                 RuntimeWarning,
                 stacklevel=3,
             )
