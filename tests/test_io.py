@@ -647,6 +647,34 @@ def test_an_image_the_device_refuses_is_decoded_on_the_cpu(monkeypatch, caplog):
         EncodedBatch(images).decode()
 
 
+def test_the_batch_is_padded_at_once_as_image_by_image_and_says_nothing(monkeypatch):
+    """The batched padding (a nested tensor, two gathers) gives the pixels of an image-by-image
+    copy, each image's edge repeated to the batch's; without nested tensors, that copy is made."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 30, (12, 2), generator=generator).tolist()
+    images = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for h, w in sizes
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not torch's "nested tensors are a prototype" either
+        padded = device_decode.padded_batch(images)
+    height, width = max(h for h, _ in sizes) + 1, max(w for _, w in sizes) + 1
+    assert padded.shape == (12, 3, height, width) and padded.dtype == torch.uint8
+    for slot, image, (h, w) in zip(padded, images, sizes, strict=True):
+        assert torch.equal(slot[:, :h, :w], image)
+        assert torch.equal(slot[:, :h, w], image[:, :, -1])  # the right edge, repeated
+        assert torch.equal(slot[:, h, :w], image[:, -1, :])  # the bottom edge, repeated
+    boxes, flips = [(0, 0, h, w) for h, w in sizes], [False, True] * 6
+    cropped = device_decode.crop_batch(images, boxes, (8, 8), flips)
+
+    def no_nested(tensors):
+        raise RuntimeError("no nested tensors in this torch")
+
+    monkeypatch.setattr(torch.nested, "as_nested_tensor", no_nested)
+    assert torch.equal(device_decode.padded_batch(images), padded)
+    assert torch.equal(device_decode.crop_batch(images, boxes, (8, 8), flips), cropped)
+
+
 def test_without_a_gpu_decoder_the_cpu_decodes_and_says_why_once():
     crop = RandomResizedCrop(32, decode_on="cuda")
     with warnings.catch_warnings(record=True) as caught:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -160,16 +161,9 @@ def crop_batch(
 ) -> torch.Tensor:
     """Crop ``boxes`` of ``images`` (uint8 ``C×H×W``, one device), resize them to ``size`` and
     flip where asked, in a few batched ops: uint8 ``N×C×size``."""
-    device, channels = images[0].device, images[0].shape[0]
-    height = max(image.shape[-2] for image in images) + 1
-    width = max(image.shape[-1] for image in images) + 1
+    device = images[0].device
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    padded = torch.empty(len(images), channels, height, width, dtype=dtype, device=device)
-    for slot, image in zip(padded, images, strict=True):
-        h, w = image.shape[-2:]
-        slot[:, :h, :w].copy_(image)
-        slot[:, :h, w].copy_(image[:, :, w - 1])  # the edge repeated: a crop there reads it
-        slot[:, h, : w + 1].copy_(slot[:, h - 1, : w + 1])
+    padded = padded_batch(images).to(dtype)
     rois = torch.tensor(
         [[n, left, top, left + w, top + h] for n, (top, left, h, w) in enumerate(boxes)],
         dtype=dtype,
@@ -179,6 +173,54 @@ def crop_batch(
     flip = torch.tensor(flips, device=device)
     out = torch.where(flip[:, None, None, None], out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def padded_batch(images: list[torch.Tensor]) -> torch.Tensor:
+    """``images`` (``C×H×W``, sizes of their own) in one ``N×C×(H+1)×(W+1)`` tensor, each one's
+    last row and column repeated to the bottom and right: ``roi_align`` reads one pixel past a
+    crop that reaches the image's edge.
+
+    A dozen batched ops whatever the batch size, none per image. Each torch call from Python lets
+    the GIL go and takes it back, and where the loader's other threads hold it (its preprocess
+    threads, busy at the start of a pass) each take-back waits: three copies per image made the
+    first batch of each pass take 3 s instead of 20 ms on a 16-core host. The images are
+    gathered by a nested tensor; a torch whose nested tensors cannot pad them takes one copy per
+    image (:func:`_padded_one_by_one`).
+    """
+    sizes = torch.tensor([tuple(image.shape[-2:]) for image in images])
+    height, width = (int(edge) + 1 for edge in sizes.max(0).values)
+    shape = (len(images), images[0].shape[0], height, width)
+    try:
+        _quiet_nested_prototype()
+        padded = torch.nested.as_nested_tensor(images).to_padded_tensor(0, output_size=shape)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return _padded_one_by_one(images, shape)
+    sizes = sizes.to(padded.device, non_blocking=True)
+    # each image's own last row and column where the batch's reach further
+    rows = torch.minimum(torch.arange(height, device=padded.device), sizes[:, :1] - 1)
+    cols = torch.minimum(torch.arange(width, device=padded.device), sizes[:, 1:] - 1)
+    padded = padded.gather(3, cols[:, None, None, :].expand(shape))
+    return padded.gather(2, rows[:, None, :, None].expand(shape))
+
+
+def _padded_one_by_one(images: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`padded_batch`, one image at a time: its pixels, then the edges repeated."""
+    padded = torch.empty(shape, dtype=images[0].dtype, device=images[0].device)
+    for slot, image in zip(padded, images, strict=True):
+        h, w = image.shape[-2:]
+        slot[:, :h, :w].copy_(image)
+        slot[:, :h, w:].copy_(image[:, :, w - 1 :])
+        slot[:, h:, :].copy_(slot[:, h - 1 : h, :])
+    return padded
+
+
+@functools.cache
+def _quiet_nested_prototype() -> None:
+    """torch warns, once per process, that nested tensors are a prototype whenever one is first
+    made; here they are an internal means of batching, and the user need not read of them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.nested.as_nested_tensor([torch.zeros(1, 1, 1)])
 
 
 @functools.cache
