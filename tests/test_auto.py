@@ -209,15 +209,28 @@ def test_a_trial_counts_the_tasks_begun_those_still_running_included():
     assert (trial.measured().started, trial.stage.count) == (3, 3)
 
 
+class CountingStarter:
+    """A pool starter that counts its starts and its fork server's warm-ups."""
+
+    def __init__(self) -> None:
+        self.starts, self.warmed = 0, 0
+
+    def __call__(self) -> None:
+        self.starts += 1
+
+    def warm(self) -> None:
+        self.warmed += 1
+
+
 def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads():
     kept = []
-    starts = []
+    starter = CountingStarter()
     trial = Trial(1, total=2)
     switch = Switch(
         lambda task: task * 2,
         "fetch",
         start=lambda worker: None,
-        make_pool=lambda: starts.append(1),
+        make_pool=starter,
         conclude=lambda trial: Decision(PROCESS, "test", deferred=True),
         trial=trial,
         keep=kept.append,
@@ -227,7 +240,8 @@ def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_th
     trial.consumer.count = auto.TRIAL_STEPS
     assert [switch(task) for task in range(3)] == [0, 2, 4]
     assert switch.decision is not None and switch.decision.deferred
-    assert kept == [switch.decision] and switch.route == THREAD and starts == []
+    assert kept == [switch.decision] and switch.route == THREAD and starter.starts == 0
+    assert starter.warmed == 1  # their fork server starts now, for the next pass
     state = auto.AutoState()
     state.keep(switch.decision)
     assert state.decision is switch.decision

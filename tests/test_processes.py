@@ -757,6 +757,24 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
     assert "exit code -9 (killed by signal SIGKILL)" in str(error), str(error)
 
 
+def test_a_warmed_pool_starter_starts_its_fork_server_with_the_jobs_modules():
+    """``"auto"``'s processes from the next pass: their fork server starts as it decides."""
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
+
+    if multiprocessing.active_children() or not compat.stop_forkserver():
+        pytest.skip("the running fork server cannot be stopped here")
+    assert not compat.forkserver_running()
+    dataset = WhereRead(4)
+    PoolStarter(FetchJob(dataset, True, None), 2, 0, None, None, None).warm()
+    assert compat.forkserver_running()
+    assert type(dataset).__module__ in compat.forkserver_preload()
+    assert started_with(start_method.start_context(None), [type(dataset).__module__]) == (
+        [type(dataset).__module__],
+        0,
+    )
+
+
 def test_without_pythons_private_stop_the_running_server_is_kept(monkeypatch):
     start_method.start_context(None)  # running, as the tests before left it, or not yet
     started_with(start_method.start_context(None), [])

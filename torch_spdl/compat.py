@@ -13,7 +13,7 @@ forked worker processes.
 Private *attributes* are read here too, through functions with a fallback: the ``num_samples`` a
 ``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
 the modules the fork server preloads (:func:`forkserver_preload`), whether it runs and how to stop
-it (:func:`forkserver_running`, :func:`stop_forkserver`).
+it (:func:`forkserver_running`, :func:`start_forkserver`, :func:`stop_forkserver`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -368,6 +368,17 @@ def forkserver_running() -> bool:
     """Whether this process has started a fork server (its private ``_forkserver_pid``; False
     where the name is gone, which leaves a running server as it is)."""
     return getattr(_forkserver(), "_forkserver_pid", None) is not None
+
+
+def start_forkserver() -> None:
+    """Start this process's fork server now, if it has none, and return while it imports its
+    preload (``multiprocessing.forkserver.ensure_running``: public, if undocumented; where a
+    Python lacks it, the first worker's start starts the server, as it always does)."""
+    import multiprocessing.forkserver
+
+    ensure_running = getattr(multiprocessing.forkserver, "ensure_running", None)
+    if ensure_running is not None:
+        ensure_running()
 
 
 def stop_forkserver() -> bool:

@@ -53,7 +53,8 @@ class Switch:
     stage function that does the same in a process (``"fetch"`` or ``"preprocess"``);
     ``make_pool`` starts the pool; ``conclude`` turns the trial's figures into a decision;
     ``start`` is the threads' own ``on_start``. Nothing starts before the decision (a fork
-    server importing torch beside the trial would take the cores it measures).
+    server importing torch beside the trial would take the cores it measures); a decision for
+    processes from the next pass starts their fork server at once (:meth:`PoolStarter.warm`).
     """
 
     def __init__(
@@ -118,6 +119,8 @@ class Switch:
             self.decision = decision
             self._keep(decision)  # processes that come up after this pass serve the next
             if decision.deferred:  # the next pass starts on its executor; this one, on threads
+                if decision.executor == PROCESS:
+                    self._make_pool.warm()
                 return
             if decision.executor == PROCESS:
                 self._starter = threading.Thread(
