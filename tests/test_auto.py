@@ -210,21 +210,27 @@ def test_a_trial_counts_the_tasks_begun_those_still_running_included():
 
 
 class CountingStarter:
-    """A pool starter that counts its starts and its fork server's warm-ups."""
+    """A pool starter that counts its starts and its fork server's warm-ups (which may fail)."""
 
-    def __init__(self) -> None:
-        self.starts, self.warmed = 0, 0
+    def __init__(self, warm_fails: bool = False) -> None:
+        self.starts, self.warmed, self.warm_fails = 0, 0, warm_fails
 
     def __call__(self) -> None:
         self.starts += 1
 
     def warm(self) -> None:
         self.warmed += 1
+        if self.warm_fails:
+            raise OSError("no fork server here")
 
 
-def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads():
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("warm_fails", [False, True], ids=["warmed", "warm-up-failed"])
+def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_threads(
+    no_leak, warm_fails
+):
     kept = []
-    starter = CountingStarter()
+    starter = CountingStarter(warm_fails)
     trial = Trial(1, total=2)
     switch = Switch(
         lambda task: task * 2,
@@ -241,11 +247,12 @@ def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_th
     assert [switch(task) for task in range(3)] == [0, 2, 4]
     assert switch.decision is not None and switch.decision.deferred
     assert kept == [switch.decision] and switch.route == THREAD and starter.starts == 0
-    assert starter.warmed == 1  # their fork server starts now, for the next pass
     state = auto.AutoState()
     state.keep(switch.decision)
     assert state.decision is switch.decision
-    switch.close()
+    switch.close()  # joins the warm-up's thread
+    # their fork server started at the decision, for the next pass; a failure there fails no task
+    assert starter.warmed == 1
 
 
 # -- the measurement --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ exactly one of them, and the first's batches are delivered before the second's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ class Switch:
             self._keep(decision)  # processes that come up after this pass serve the next
             if decision.deferred:  # the next pass starts on its executor; this one, on threads
                 if decision.executor == PROCESS:
-                    self._make_pool.warm()
+                    self._warm()
                 return
             if decision.executor == PROCESS:
                 self._starter = threading.Thread(
@@ -129,6 +130,20 @@ class Switch:
                 self._starter.start()
             else:
                 self.route = decision.executor
+
+    def _warm(self) -> None:
+        """Start the next pass's fork server now (:meth:`PoolStarter.warm`), in a thread of its
+        own: this one is running a task. Where it cannot start, the next pass's start of the
+        workers says why, and falls back to threads, as without it."""
+
+        def warm() -> None:
+            with contextlib.suppress(Exception):
+                self._make_pool.warm()
+
+        self._starter = threading.Thread(
+            target=in_thread(warm), name="torch_spdl.auto-warm", daemon=False
+        )
+        self._starter.start()
 
     def _start_pool(self) -> None:
         """Start the worker processes; the stage threads switch to them once every one is set
