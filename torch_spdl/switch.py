@@ -119,31 +119,23 @@ class Switch:
             decision = self._conclude(trial)
             self.decision = decision
             self._keep(decision)  # processes that come up after this pass serve the next
-            if decision.deferred:  # the next pass starts on its executor; this one, on threads
-                if decision.executor == PROCESS:
-                    self._warm()
-                return
+            # a deferred decision leaves this pass on threads; processes deferred to the next
+            # pass have their fork server started now
             if decision.executor == PROCESS:
+                work = self._warm if decision.deferred else self._start_pool
                 self._starter = threading.Thread(
-                    target=in_thread(self._start_pool), name="torch_spdl.auto-start", daemon=False
+                    target=in_thread(work), name="torch_spdl.auto-start", daemon=False
                 )
                 self._starter.start()
-            else:
+            elif not decision.deferred:
                 self.route = decision.executor
 
     def _warm(self) -> None:
-        """Start the next pass's fork server now (:meth:`PoolStarter.warm`), in a thread of its
-        own: this one is running a task. Where it cannot start, the next pass's start of the
-        workers says why, and falls back to threads, as without it."""
-
-        def warm() -> None:
-            with contextlib.suppress(Exception):
-                self._make_pool.warm()
-
-        self._starter = threading.Thread(
-            target=in_thread(warm), name="torch_spdl.auto-warm", daemon=False
-        )
-        self._starter.start()
+        """Start the next pass's fork server (:meth:`PoolStarter.warm`). Where it cannot start,
+        the next pass's start of the workers says why, and falls back to threads, as without
+        it: a failure here fails nothing."""
+        with contextlib.suppress(Exception):
+            self._make_pool.warm()
 
     def _start_pool(self) -> None:
         """Start the worker processes; the stage threads switch to them once every one is set
