@@ -23,6 +23,7 @@ Usage::
     python benchmarks/train_e2e.py [--data DIR] [--workers 15] [--batch-size 256]
                                    [--steps 60] [--warmup 10] [--rounds 3]
                                    [--loaders torch,torch_spdl,torch_spdl:process] [--stats]
+                                   [--persistent]
 
 Loaders: ``torch``; ``torch_spdl`` (the import swapped) and ``torch_spdl:<worker_method>``;
 ``torch_spdl:fast`` (workload A's hooks with :class:`torch_spdl.io.RandomResizedCrop`, native
@@ -127,7 +128,11 @@ def loader_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches on ``device`` from the loader called ``name``, epoch after epoch."""
     common: dict[str, Any] = dict(
-        batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.workers,
+        persistent_workers=args.persistent,
     )
     cuda = device.type == "cuda"
     if name == "torch":
@@ -181,7 +186,8 @@ def table(runs: dict[str, list[Run]], trainer: Trainer, args: argparse.Namespace
     lines = [
         f"{trainer.name}, batch {args.batch_size}, {args.workers} workers, {args.steps} timed "
         f"steps, medians of {args.rounds} interleaved rounds; {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+        + (", persistent workers" if args.persistent else ""),
         "",
         "| loader | img/s | × torch | % of model alone | data stall | main CPU s/1k img "
         "| warm-up (s) |",
@@ -214,6 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loaders", default="torch,torch_spdl,torch_spdl:process")
+    parser.add_argument(
+        "--persistent",
+        action="store_true",
+        help="persistent_workers=True for every loader: the passes' steady state, without each "
+        "pass's start (a small data set's passes are mostly start)",
+    )
     parser.add_argument(
         "--stats", action="store_true", help="print each torch_spdl loader's stats() at its end"
     )

@@ -25,7 +25,7 @@ from torchvision.transforms import RandomResizedCrop as TorchvisionRandomResized
 from torchvision.transforms.v2 import Resize
 from torchvision.transforms.v2 import functional as F
 
-from torch_spdl import DataLoader, StagedDataset
+from torch_spdl import DataLoader, StagedDataset, messages
 from torch_spdl.io import (
     EncodedBatch,
     EncodedImage,
@@ -516,6 +516,45 @@ def test_an_edge_crop_does_not_read_the_padding():
     )
     whole = F.resize(decode_image(small), [20, 25], antialias=True)
     assert (encoded.decode()[0].float() - whole.float()).abs().amax(dim=0)[:, -1].mean() < 8
+
+
+def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
+    """A worker process sends it as one tensor of bytes in shared memory, not one small tensor
+    per image copied through the pipe (which a reader beside a busy training loop reads a
+    chunk per GIL hand-off); it arrives equal, each image a view of that tensor."""
+    torch.manual_seed(0)
+    encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in varied_images()])
+    message = messages.dumps(encoded)
+    assert len(message) < 4096  # the bytes are not in the message
+    received = pickle.loads(message)
+    assert isinstance(received, EncodedBatch) and len(received) == len(encoded)
+    storages = {image.data.untyped_storage().data_ptr() for image in received.images}
+    assert len(storages) == 1 and received.images[0].data.is_shared()
+    for got, sent in zip(received.images, encoded.images, strict=True):
+        assert torch.equal(got.data, sent.data)
+        assert (got.box, got.flip, got.size, got.mode, got.device) == (
+            sent.box,
+            sent.flip,
+            sent.size,
+            sent.mode,
+            sent.device,
+        )
+    assert torch.equal(received.decode(), encoded.decode())
+
+
+@pytest.mark.usefixtures("no_leak")
+def test_worker_processes_send_encoded_batches_the_transfer_stage_decodes():
+    """The GPU decode path in worker processes (the CPU stand-in): batches decoded in the
+    transfer stage, the labels as the threads' in input order."""
+    images = varied_images()
+    threaded = cropped_loader(images, "cpu", batch_size=4)
+    in_processes = cropped_loader(images, "cpu", batch_size=4, worker_method="process")
+    got, want = list(in_processes), list(threaded)
+    assert [b[1].tolist() for b in got] == [b[1].tolist() for b in want]
+    assert all(
+        b[0].shape == w[0].shape and b[0].dtype == torch.uint8
+        for b, w in zip(got, want, strict=True)
+    )
 
 
 @pytest.mark.usefixtures("no_leak")

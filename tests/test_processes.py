@@ -388,6 +388,24 @@ def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
     assert all(batch.is_shared() for batch in batches)
 
 
+def test_a_batch_of_many_small_tensors_equals_torchs():
+    """A batch of many small tensors, each sent by value, makes a message over
+    ``LARGE_MESSAGE``, which crosses in shared memory (tests/test_messages.py): the batches
+    equal torch's."""
+    got = list(ours(Squares(), batch_size=4, num_workers=2, collate_fn=many_small))
+    want = list(
+        torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2, collate_fn=many_small)
+    )
+    assert len(got) == len(want) > 1
+    for ours_batch, torch_batch in zip(got, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours_batch, torch_batch, strict=True))
+
+
+def many_small(samples):
+    """Each sample as 100 small tensors, each sent by value: 400 KiB a sample."""
+    return [torch.full((1024,), float(s["i"]) + k) for s in samples for k in range(100)]
+
+
 def big_batch(sample):
     return torch.full((messages.INLINE_BYTES,), float(sample["i"]))
 

@@ -1,0 +1,34 @@
+"""How messages between the main process and a worker process are pickled (torch_spdl.messages):
+what travels by value, what in shared memory. Loaders that send them: tests/test_processes.py."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from torch_spdl import messages
+
+
+def many_small(count: int) -> list[torch.Tensor]:
+    """``count`` tensors of 4 KiB, each small enough to travel by value."""
+    return [torch.full((1024,), float(k)) for k in range(count)]
+
+
+def test_a_large_message_crosses_in_shared_memory_as_a_whole():
+    """Many small tensors by value add up to a message over ``LARGE_MESSAGE``: the pipe carries
+    a handle to it (read in pipe-sized chunks, each a GIL hand-off for the reader beside a busy
+    training loop, it took seconds), and it unpickles to what was sent."""
+    sent = many_small(2 * messages.LARGE_MESSAGE // 4096)
+    message = messages.dumps(sent)
+    assert len(message) < 4096
+    received = pickle.loads(message)
+    assert len(received) == len(sent)
+    assert all(torch.equal(a, b) and not a.is_shared() for a, b in zip(received, sent, strict=True))
+
+
+def test_a_small_message_stays_in_the_pipe():
+    sent = many_small(4)
+    message = messages.dumps(sent)
+    assert len(message) > 4 * 4096  # the tensors' bytes are in it
+    assert all(torch.equal(a, b) for a, b in zip(pickle.loads(message), sent, strict=True))
