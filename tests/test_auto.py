@@ -464,13 +464,19 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     assert [report.kind for report in loader.stats().stages] == ["process"]
 
 
-def test_passes_too_short_to_move_in_start_the_next_in_processes(no_child_left, monkeypatch):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_passes_too_short_to_move_in_start_the_next_in_processes(
+    no_child_left, monkeypatch, persistent
+):
     """Twelve batches on two threads: the trial ends halfway through the pass, too late to start
-    processes for the rest of it, so the next pass starts in them; torch's samples throughout."""
+    processes for the rest of it, so the next pass starts in them; torch's samples throughout.
+    Persistent workers too: their threads give way to processes at the next pass."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
     dataset = PythonSamples(48, 300_000)
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=4))
-    loader = torch_spdl.DataLoader(dataset, batch_size=4, num_workers=2)
+    loader = torch_spdl.DataLoader(
+        dataset, batch_size=4, num_workers=2, persistent_workers=persistent
+    )
     got, pids = indices_of(loader)
     assert (got, pids) == (expected, {os.getpid()})
     executor = loader.stats().executor
@@ -479,9 +485,14 @@ def test_passes_too_short_to_move_in_start_the_next_in_processes(no_child_left, 
         return
     assert executor.startswith("worker_method='auto' chose process"), executor
     assert "from the next pass" in executor, executor
-    got, pids = indices_of(loader)
-    assert got == expected and os.getpid() not in pids
-    assert [report.kind for report in loader.stats().stages] == ["process"]
+    seen = []
+    for _ in range(2):  # and stays there
+        got, pids = indices_of(loader)
+        assert got == expected and os.getpid() not in pids
+        assert [report.kind for report in loader.stats().stages] == ["process"]
+        seen.append(pids)
+    if persistent:  # in the same processes
+        assert seen[0] == seen[1]
 
 
 @pytest.mark.parametrize("persistent", [False, True])

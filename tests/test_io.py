@@ -523,7 +523,9 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     per image copied through the pipe (which a reader beside a busy training loop reads a
     chunk per GIL hand-off); it arrives equal, each image a view of that tensor."""
     torch.manual_seed(0)
-    encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in varied_images()])
+    data = varied_images() * 12  # over INLINE_BYTES together: smaller, they go by value
+    encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
+    assert sum(len(image.data) for image in encoded.images) > messages.INLINE_BYTES
     message = messages.dumps(encoded)
     assert len(message) < 4096  # the bytes are not in the message
     received = pickle.loads(message)

@@ -678,19 +678,29 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             self._pipeline.restart(self._make_source(self._sampler_iter))
 
     def _replanned(self, loader: DataLoader) -> bool:
-        """Whether this persistent iterator's next pass needs another pipeline, now closed: in
-        an earlier pass ``"auto"`` moved a staged dataset's stage to worker processes, which from
-        now on read each batch whole (``Plan.whole``), but that pass ended before they were up
-        (:meth:`_move_whole`). The workers then start once more, with the seeds they started
-        with, as torch's persistent workers keep theirs; the new plan holds for the passes
-        after."""
+        """Whether this persistent iterator's next pass needs another pipeline, now closed:
+        ``"auto"`` decided for worker processes in an earlier pass, where this pipeline's
+        threads still run the stage (:meth:`_moves`). The workers then start once more, with the
+        seeds they started with, as torch's persistent workers keep theirs; the new plan holds
+        for the passes after, as a new iterator's would."""
         plan = loader._plan(self)
-        if plan.whole is None or self._plan.whole is not None:
+        if not self._moves(plan):
             return False
         assert self._pipeline is not None  # only a pipeline's pass is replanned
         self._pipeline.close()
         self._plan = self.stats_probe.plan = plan
         return True
+
+    def _moves(self, plan: Plan) -> bool:
+        """Whether ``plan`` puts the CPU stage in worker processes where this pipeline's threads
+        still run it: a decision for processes from the next pass (the pass it came in was too
+        short to move), or a staged dataset's stage moved to processes, which from now on read
+        each batch whole (``Plan.whole``), in a pass that ended before they were up
+        (:meth:`_move_whole`)."""
+        if plan.whole is not None:
+            return self._plan.whole is None
+        switch = self._switch
+        return plan.executor == PROCESS and switch is not None and switch.route != PROCESS
 
     def _begin_pass(
         self,
