@@ -28,7 +28,9 @@ Usage::
 Loaders: ``torch``; ``torch_spdl`` (the import swapped) and ``torch_spdl:<worker_method>``;
 ``torch_spdl:fast`` (workload A's hooks with :class:`torch_spdl.io.RandomResizedCrop`, native
 ops that release the GIL); ``torch_spdl:gpu-decode`` (the same with ``decode_on="cuda"``: JPEGs
-decoded, cropped and flipped on the GPU in the transfer stage).
+decoded, cropped and flipped on the GPU in the transfer stage); ``torch_spdl:gpu-decode-hw``
+(an experiment: the same with nvImageCodec's hardware JPEG decoder, which needs
+``nvidia-nvimgcodec-cu13``; put it last, as it changes the decoder for the loaders after it).
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ from torchvision import transforms
 import torch_spdl
 from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 from torch_spdl.bench.images import FastImages, collate
-from torch_spdl.io import RandomResizedCrop
+from torch_spdl.io import RandomResizedCrop, device_decode
 
-FAST, GPU = ("torch_spdl:fast", "torch_spdl:gpu-decode"), "torch_spdl:gpu-decode"
+GPU, GPU_HW = "torch_spdl:gpu-decode", "torch_spdl:gpu-decode-hw"
+FAST = ("torch_spdl:fast", GPU, GPU_HW)
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 
@@ -138,7 +141,9 @@ def loader_batches(
     if name == "torch":
         loader: Any = torch.utils.data.DataLoader(folder, pin_memory=cuda, **common)
     elif name in FAST:
-        transform = RandomResizedCrop(224, decode_on="cuda" if name == GPU else None)
+        if name == GPU_HW:
+            use_hardware_decoder()
+        transform = RandomResizedCrop(224, decode_on="cuda" if name in (GPU, GPU_HW) else None)
         dataset = FastImages(folder.samples, transform)
         loader = torch_spdl.DataLoader(
             dataset, collate_fn=collate, io_workers=4, device=device if cuda else None, **common
@@ -154,6 +159,27 @@ def loader_batches(
     finally:  # closed after its timed steps: where a torch_spdl loader's stages stood
         if args.stats and isinstance(loader, torch_spdl.DataLoader):
             say(f"{name}: loader.stats() after its last batch\n{loader.stats()}")
+
+
+def use_hardware_decoder() -> None:
+    """An experiment: the GPU decode path's batches decoded by nvImageCodec's hardware JPEG
+    decoder (the NVJPG engines of an A100 or H100, beside the SMs the model runs on) in place of
+    torchvision's nvJPEG op (CUDA kernels on the SMs), on the transfer stage's stream. RGB JPEGs
+    only; for this process, the loaders after it included."""
+    from nvidia import nvimgcodec as nv
+
+    decoder = nv.Decoder(device_id=0, backends=[nv.Backend(nv.BackendKind.HW_GPU_ONLY)])
+    params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
+
+    def decode(data: list[torch.Tensor], mode: Any, device: torch.device) -> list[torch.Tensor]:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        encoded = [d.numpy().tobytes() for d in data]
+        images = decoder.decode(encoded, params=params, cuda_stream=stream)
+        if any(image is None for image in images):  # refused: decode_all goes one by one
+            raise RuntimeError("nvImageCodec's hardware decoder refused an image")
+        return [torch.as_tensor(i, device=device).permute(2, 0, 1).contiguous() for i in images]
+
+    device_decode.batch_decoder = lambda device: decode if device.type == "cuda" else None
 
 
 def rounds(
