@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check that issues 16 and 18 ask for, in one run of at most 9 minutes (about 5 when
+# Every GPU check that issues 16 and 18 ask for, in one run of at most 9½ minutes (about 6 when
 # nothing hangs) on a lent GPU host (one H100 or H200, 16 cores), since such a host is lent for
 # 15 minutes a task at most.
 #
 # Each step has a time limit of its own, so a step that hangs costs only its limit; each writes
-# its log to $OUT/<step>.log (9 files: the summary and 8 logs), and
+# its log to $OUT/<step>.log (8 files: the summary and 7 logs), and
 # $OUT/summary.txt says what ran where, each step's exit status and its seconds.
 #
 #   1. data          workload A's synthetic ImageFolder, 4,096 JPEGs (shared by the steps below)
@@ -12,14 +12,15 @@
 #   3. train_e2e     ResNet-50 (bf16, channels_last) fed by torch, the import swap, the fast
 #                    path and GPU decode, against the model alone (issue 16's end-to-end target,
 #                    issue 18's GPU-decode one); a first pass untimed, its seconds reported
+#      train_e2e_persistent  the same with persistent_workers=True: the passes' steady state,
+#                    as a training job's long epochs have it, without each short pass's start
 #   4. bench_A       workload A at 1, 8 and 16 workers: threads against torch's processes, and
 #                    the GPU-decode variant (issue 18's loader-alone target)
-#   5. decoders      torchvision's nvJPEG against nvImageCodec on the GPU (issue 18's choice)
-#      decode_steps  the GPU decode path's batch split into nvJPEG's decode and the crops, on a
-#                    new stream and after a batch of another size (its slow batch per pass)
-#      pass_probe    each pass's worker-process costs against torch's, and the GPU decode's
+#   5. pass_probe    each pass's worker-process costs against torch's, and the GPU decode's
 #                    slow batches with the transfer thread's stacks
 #   6. gpu_transfer  the transfer stage's bandwidth and a ResNet-50 step's data stall
+# benchmarks/gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
+# H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
 #
 # Wheels the device's Python (3.12) lacks travel in .whl (carry it), made here beforehand:
 #   echo /.whl/ >> .git/info/exclude
@@ -68,12 +69,13 @@ step cuda_tests 60 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
     tests/test_transfer.py tests/test_pin_memory.py tests/test_io.py
 # two passes of warm-up: "auto"'s trial and the fork server's start happen once a job, and the
 # warm-up column reports them; the timed steps are the passes after, three of 16 batches
-step train_e2e 150 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 --steps 48 \
+step train_e2e 140 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 --steps 48 \
     --warmup $((IMAGES / 128)) --loaders torch,torch_spdl,torch_spdl:fast,torch_spdl:gpu-decode --stats
-step bench_A 90 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
+step train_e2e_persistent 110 $PY benchmarks/train_e2e.py --images "$IMAGES" --rounds 1 \
+    --steps 48 --warmup $((IMAGES / 128)) --persistent \
+    --loaders torch,torch_spdl,torch_spdl:gpu-decode --stats
+step bench_A 80 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
     --batches 8 --no-analysis --out /tmp/gpu_host_bench
-step decoders 30 $PY benchmarks/gpu_decoders.py --images "$IMAGES" --repeats 8
-step decode_steps 40 $PY benchmarks/gpu_decode_steps.py --images "$IMAGES" --batches 4
-step pass_probe 60 $PY benchmarks/gpu_pass_probe.py ab
+step pass_probe 50 $PY benchmarks/gpu_pass_probe.py ab
 step gpu_transfer 45 $PY benchmarks/gpu_transfer.py --rounds 1 --steps 30
 cat "$summary"

@@ -117,4 +117,4 @@ def _in_shared_memory(message: memoryview) -> memoryview:
 
 
 def _loads_shared(message: torch.Tensor) -> Any:
-    return pickle.loads(message.numpy())
+    return pickle.loads(message.numpy().data)
