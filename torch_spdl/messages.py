@@ -109,8 +109,7 @@ class _Shared:
 
 def _in_shared_memory(message: memoryview) -> memoryview:
     """A small message that carries ``message`` in shared memory (one segment, one descriptor)."""
-    shared = torch.empty(len(message), dtype=torch.uint8).share_memory_()
-    shared.numpy()[:] = np.frombuffer(message, dtype=np.uint8)
+    shared = torch.frombuffer(message, dtype=torch.uint8).share_memory_()  # copied there once
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(_Shared(shared))
     return buffer.getbuffer()
