@@ -32,6 +32,17 @@ def no_leak():
     assert not extra, f"threads left running: {sorted(t.name for t in extra)}"
 
 
+@pytest.fixture
+def sends_shared_memory(no_leak):
+    """For a test that pickles shared-memory tensors in this process: multiprocessing's resource
+    sharer (the thread that hands each one's file descriptor to its receiver, started once per
+    process on first use) is stopped after it, and no thread is left (``no_leak``)."""
+    from multiprocessing import resource_sharer
+
+    yield
+    resource_sharer.stop()
+
+
 def child_pids() -> set[int]:
     """Children of this process that exist (zombies included: an unreaped child is a leak too)."""
     return children()

@@ -518,6 +518,7 @@ def test_an_edge_crop_does_not_read_the_padding():
     assert (encoded.decode()[0].float() - whole.float()).abs().amax(dim=0)[:, -1].mean() < 8
 
 
+@pytest.mark.usefixtures("sends_shared_memory")
 def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     """A worker process sends it as one tensor of bytes in shared memory, not one small tensor
     per image copied through the pipe (which a reader beside a busy training loop reads a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from torch_spdl import messages
@@ -15,6 +16,7 @@ def many_small(count: int) -> list[torch.Tensor]:
     return [torch.full((1024,), float(k)) for k in range(count)]
 
 
+@pytest.mark.usefixtures("sends_shared_memory")
 def test_a_large_message_crosses_in_shared_memory_as_a_whole():
     """Many small tensors by value add up to a message over ``LARGE_MESSAGE``: the pipe carries
     a handle to it (read in pipe-sized chunks, each a GIL hand-off for the reader beside a busy
