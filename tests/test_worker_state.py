@@ -209,6 +209,42 @@ def test_the_first_read_runs_alone_then_reads_run_at_once():
     assert len(spans) == 6 and not both.broken
 
 
+def test_a_worker_init_fn_runs_in_turn_with_the_reads():
+    dataset = Opening()
+    found = StateWatch(dataset)
+    guarded = found.guard(lambda index: dataset[index], serial=True)
+    reader = threading.Thread(target=guarded, args=(1,))
+
+    def init(worker_id: int) -> None:
+        dataset.handle = object()  # torch's way: a handle for this worker, on "its" dataset
+        if worker_id == 1:  # a read at once would rebind the handle under this init
+            reader.start()
+            reader.join(0.2)
+            assert reader.is_alive()  # it waits for its turn
+
+    found.guard_start(init)(0)
+    guarded(0)  # the first read finds the handle set: reads take turns
+    assert found.keeps_state
+    found.guard_start(init)(1)
+    reader.join()
+    assert dataset.reads == 2
+
+
+def test_what_a_worker_init_fn_sets_after_the_first_read_is_state_too():
+    dataset = Counting()
+    found = read_first(dataset)
+    assert not found.keeps_state
+    original = dataset.handle
+
+    def init(worker_id: int) -> None:
+        dataset.handle = object()
+
+    found.guard_start(init)(0)
+    assert found.describe() == "Counting sets handle on itself as it reads"
+    assert found.pristine().handle is original is None
+    assert dataset.handle is not None
+
+
 def test_one_watch_per_dataset_forgotten_with_it():
     dataset = Counting()
     assert watch(dataset) is watch(dataset)

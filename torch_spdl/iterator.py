@@ -302,7 +302,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if pool is None:
             read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
             # worker threads read one object: what it sets on itself, they share (worker_state)
-            fetch = loader._state_watch().guard(read, serial=loader.worker_method == AUTO)
+            watch = loader._state_watch()
+            fetch = watch.guard(read, serial=loader.worker_method == AUTO)
+            start = watch.guard_start(start)
         return self._cpu_stage(
             loader, fetch if pool is None else pool.fetch, start, "fetch", tasks_per_batch=1
         )

@@ -210,19 +210,43 @@ class StateWatch:
 
         return guarded
 
+    def guard_start(self, start: Callable[[int], None]) -> Callable[[int], None]:
+        """A worker thread's ``on_start`` (its ``worker_init_fn``), run in turn with the reads
+        that run in turns: what one thread's ``worker_init_fn`` sets on the shared dataset
+        (torch's docs open a handle on ``get_worker_info().dataset``) is not rebound under
+        another thread's read. What one that runs after the first read sets on the dataset is
+        state as what that read set is (a seed it sets once is not: its thread reads after it)."""
+
+        def guarded(worker_id: int) -> None:
+            with self._turn:
+                if not self._settled:  # the first read compares against the notes made before
+                    start(worker_id)
+                    return
+                before = _datasets(self._dataset.value())
+                start(worker_id)
+                self._note_changes(before)
+
+        return guarded
+
     def _settle(self, seed: int) -> None:
         self._reseeds = torch.initial_seed() != seed
-        for key, (noted, before) in self._before.items():
-            obj = noted.value()
+        self._note_changes(self._before)
+        self._before = {}
+        self._settled = True
+
+    def _note_changes(self, noted: dict[int, tuple[_Noted, dict[str, _Noted]]]) -> None:
+        """Adds what was set on the datasets since ``noted`` to the state found, keeping the
+        values first replaced."""
+        for key, (dataset, before) in noted.items():
+            obj = dataset.value()
             now = None if obj is _DEAD else _attributes(obj)
             if now is None:  # gone: nothing reads it any more
                 continue
             names = _changed(before, now)
             if names:
-                kept = {name: before.get(name, _Noted(_GONE)) for name in names}
-                self._state[key] = (type(obj).__name__, kept)
-        self._before = {}
-        self._settled = True
+                kind, kept = self._state.get(key, (type(obj).__name__, {}))
+                fresh = {name: before.get(name, _Noted(_GONE)) for name in names}
+                self._state[key] = (kind, fresh | kept)
 
     def _warn(self) -> None:
         if self._warned:
