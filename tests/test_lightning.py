@@ -12,9 +12,11 @@ by running the launching command line again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,33 +62,55 @@ def script_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
-def fit(request, tmp_path_factory) -> tuple[tuple[str, str], list[dict]]:
-    """Both ranks' records of one 2-epoch fit."""
-    build, distributed = request.param
-    out = tmp_path_factory.mktemp(f"lightning-{build}-{distributed}")
-    log = out / "log.txt"
-    # one job: a hung rank 1 (the script's child) ends with the test
-    with log.open("w") as sink, job_env() as env:
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), build, distributed, str(out)],
-            cwd=out,
-            env=script_env(env),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            code = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            code = "timeout (180 s)"
-        finally:
-            proc.kill()
-            proc.wait()
-    output = log.read_text()[-6000:]
-    assert code == 0, f"fit exited with {code}:\n{output}"
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict[tuple[str, str], list[dict] | str]:
+    """Both ranks' records of each case's 2-epoch fit, or why there are none. The fits run at
+    once, each in its own process group: most of a fit is starting its processes."""
+    outs = {case: tmp_path_factory.mktemp(f"lightning-{'-'.join(case)}") for case in CASES}
+    # one job: a hung rank 1 (a script's child) ends with the fixture
+    with contextlib.ExitStack() as stack, job_env() as env:
+        procs = {}
+        for case, out in outs.items():
+            sink = stack.enter_context((out / "log.txt").open("w"))
+            procs[case] = subprocess.Popen(
+                [sys.executable, str(SCRIPT), *case, str(out)],
+                cwd=out,
+                env=script_env(env),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 180
+        codes = {case: finished(proc, deadline) for case, proc in procs.items()}
+    return {case: records(outs[case], codes[case]) for case in CASES}
+
+
+def finished(proc: subprocess.Popen, deadline: float) -> int | str:
+    """``proc``'s exit code, or a timeout once ``deadline`` has passed (it is killed then)."""
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return "timeout (180 s)"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def records(out: Path, code: int | str) -> list[dict] | str:
+    output = (out / "log.txt").read_text()[-6000:]
+    if code != 0:
+        return f"fit exited with {code}:\n{output}"
     files = [out / f"rank{rank}.json" for rank in range(WORLD)]
-    assert all(f.exists() for f in files), f"missing rank records:\n{output}"
-    return request.param, [json.loads(f.read_text()) for f in files]
+    if not all(f.exists() for f in files):
+        return f"missing rank records:\n{output}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def fit(request, fits) -> tuple[tuple[str, str], list[dict]]:
+    """Both ranks' records of one case's fit."""
+    found = fits[request.param]
+    assert not isinstance(found, str), found
+    return request.param, found
 
 
 def test_each_rank_ran_every_epoch(fit):
