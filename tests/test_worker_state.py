@@ -489,3 +489,75 @@ def test_threads_asked_for_read_a_held_handle_at_once_and_warn(records, no_leak)
     )
     with pytest.warns(UserWarning, match="HeldRecords holds file, a handle each read moves"):
         list(loader)
+
+
+# -- Pillow images that read their file as they are used -----------------------------------------
+FRAMES = 48
+
+
+@pytest.fixture
+def gif(tmp_path) -> str:
+    """A GIF whose frame ``i`` is grey level ``4 * i`` all over."""
+    from PIL import Image
+
+    frames = [Image.new("L", (16, 16), 4 * index) for index in range(FRAMES)]
+    path = tmp_path / "frames.gif"
+    frames[0].save(path, save_all=True, append_images=frames[1:], loop=0)
+    return str(path)
+
+
+class Frames(Dataset):
+    """Frame ``i`` of a GIF opened in ``__init__``: each read seeks the one image (and its file)."""
+
+    def __init__(self, path: str) -> None:
+        from PIL import Image
+
+        self.image = Image.open(path)
+
+    def __len__(self) -> int:
+        return FRAMES
+
+    def __getitem__(self, index: int) -> int:
+        self.image.seek(index)
+        return self.image.convert("L").getpixel((8, 8))
+
+
+def test_a_pillow_image_with_frames_is_a_handle_that_processes_cannot_be_given(gif):
+    found = StateWatch(Frames(gif))
+    assert found.describe() == "Frames holds image, a handle each read moves"
+    assert (
+        found.no_copies()
+        == "Frames.image, a Pillow image with frames, would be copied as one frame"
+    )
+
+
+def test_a_lazily_opened_image_is_a_handle_until_the_first_read_loads_it(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(tmp_path / "one.png")
+
+    class Lazy(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.image = Image.open(tmp_path / "one.png")
+
+        def __getitem__(self, index: int) -> int:
+            return self.image.getpixel((0, 0))[0] + index
+
+    dataset = Lazy()
+    assert StateWatch(dataset).describe() == "Lazy holds image, a handle each read moves"
+    found = read_first(dataset)
+    assert not found.keeps_state and found.no_copies() is None
+    assert worker_state._reading_handle(Image.new("L", (2, 2))) is False  # no file at all
+
+
+def test_auto_reads_a_pillow_image_with_frames_in_turns(gif, moves, no_child_left):
+    """Worker processes would each get the current frame alone: the threads take turns, and
+    read every frame as the loop does."""
+    loader = torch_spdl.DataLoader(Frames(gif), batch_size=4, num_workers=2)
+    expected = torchs(Frames(gif))  # in torch's loop: its forked workers share the file's position
+    assert expected == [4 * index for index in range(FRAMES)]
+    assert ours(loader) == expected
+    decision = loader._auto.decision
+    assert decision.executor == THREAD
+    assert "copied as one frame: its threads take turns reading it" in decision.reason

@@ -414,7 +414,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 remaining_tasks=remaining,
                 keeps_state=None if watch is None else watch.describe(),
             )
-            decision = rule(no_processes=budget)
+            decision = rule(no_processes=budget or (None if watch is None else watch.no_copies()))
             if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look
                 why = unsafe()
                 decision = decision if why is None else rule(no_processes=why)

@@ -24,13 +24,18 @@ A handle the dataset holds before its threads start (a file or a tarfile opened 
 as the watch is made: threads reading it at once read each other's samples, and PyAV's decoder
 crashes the process. torch's forked workers each have their own copy of such an object, though
 they share a file's position. It is handled as above: where the dataset cannot be pickled for
-worker processes (an open file cannot), its reads take turns.
+worker processes (an open file cannot), its reads take turns. A Pillow image opened in
+``__init__`` is such a handle while it reads its file: until it is loaded (the first read, run
+alone, loads a lazily opened one, after which threads share it safely), and for good where it has
+frames (a GIF's, a TIFF's, each ``seek`` reading the file). Pickled, that one keeps its current
+frame alone, so its reads take turns rather than move to worker processes.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import sys
 import tarfile
 import threading
 import warnings
@@ -68,8 +73,34 @@ def _reading_handle(value: Any) -> bool:
             return False
     if isinstance(value, tarfile.TarFile):
         return not getattr(value, "closed", False)
+    if _pillow_reading(value):
+        return True
     kind = type(value)
     return kind.__module__.startswith("av.") and hasattr(value, "demux")
+
+
+def _pillow_image(value: Any) -> bool:
+    image = sys.modules.get("PIL.Image")  # a dataset holding one has imported it
+    return image is not None and isinstance(value, image.Image)
+
+
+def _pillow_reading(value: Any) -> bool:
+    """Whether ``value`` is a Pillow image that reads its file as it is used: one opened lazily
+    and not loaded yet, or one with frames (a GIF's, a TIFF's), each ``seek`` reading the file."""
+    if not _pillow_image(value):
+        return False
+    try:
+        return getattr(value, "fp", None) is not None or _frames(value)
+    except (OSError, ValueError):  # closed
+        return False
+
+
+def _frames(value: Any) -> bool:
+    """Whether a Pillow image has more than one frame (pickled, it has the current one only)."""
+    try:
+        return bool(getattr(value, "is_animated", False))
+    except (OSError, ValueError, EOFError):
+        return False
 
 
 def _held_handles(
@@ -83,6 +114,15 @@ def _held_handles(
         if names:
             found.append((type(dataset.value()).__name__, names))
     return found
+
+
+def _framed(noted: dict[int, tuple[_Noted, dict[str, _Noted]]]) -> str | None:
+    """The first Pillow image with frames that a dataset in ``noted`` holds, as ``Type.name``."""
+    for dataset, attributes in noted.values():
+        for name, value in attributes.items():
+            if _pillow_image(value.value()) and _frames(value.value()):
+                return f"{type(dataset.value()).__name__}.{name}"
+    return None
 
 
 def _held_datasets(value: Any) -> list[Any] | None:
@@ -169,6 +209,7 @@ class StateWatch:
         self._settled = False  # the first read has returned (or raised)
         self._state: dict[int, tuple[str, dict[str, _Noted]]] = {}  # by id: type, names: before
         self._held = _held_handles(self._before)  # handles held before: kept as they are
+        self._framed = _framed(self._before)  # a Pillow image with frames held, by name
         self._reseeds = False  # the first read seeded torch's global generator
         self._warned = False
 
@@ -228,8 +269,17 @@ class StateWatch:
 
         return guarded
 
+    def no_copies(self) -> str | None:
+        """Why worker processes cannot be given copies of the dataset that read as it does, or
+        None: a Pillow image with frames pickles as its current frame alone."""
+        if self._framed is None:
+            return None
+        return f"{self._framed}, a Pillow image with frames, would be copied as one frame"
+
     def _settle(self, seed: int) -> None:
         self._reseeds = torch.initial_seed() != seed
+        # a handle the first read closed is no longer one (a lazily opened image it loaded)
+        self._held, self._framed = _held_handles(self._before), _framed(self._before)
         self._note_changes(self._before)
         self._before = {}
         self._settled = True
