@@ -28,9 +28,11 @@ torch, so a release that renames one fails there, loudly, rather than in a user'
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import importlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -381,12 +383,22 @@ def start_forkserver() -> None:
         ensure_running()
 
 
-def stop_forkserver() -> bool:
+def stop_forkserver(end: bool = False) -> bool:
     """Stop this process's fork server so that the next worker starts a new one, with the preload
     list set now; False where the standard library has no private ``_stop`` (the method its own
-    tests use), and the running server stays."""
-    stop = getattr(_forkserver(), "_stop", None)
+    tests use), and the running server stays.
+
+    ``_stop`` closes the server's alive pipe and waits for it to exit. A child forked from this
+    process holds a copy of that pipe, so the server would not see it close: ``end`` ends the
+    server with SIGTERM first (only where no child of the server's is alive, whose parent would
+    read it as dead)."""
+    server = _forkserver()
+    stop = getattr(server, "_stop", None)
     if stop is None:
         return False
+    pid = getattr(server, "_forkserver_pid", None)
+    if end and pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     stop()
     return True

@@ -47,7 +47,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     with SERVER_LOCK:
         wanted = _forkserver_preload(preload)
         if forkserver_running() and _lacks(_server_preload, wanted):
-            if _children_in_the_way() or not stop_forkserver():
+            if _server_children() or not stop_forkserver(end=_forked_children()):
                 return context  # it keeps what it has: its workers import the rest themselves
             wanted = list(dict.fromkeys([*_server_preload, *wanted]))
         if not forkserver_running():
@@ -92,17 +92,23 @@ def _lacks(server: list[str], wanted: list[str]) -> bool:
     )
 
 
-def _children_in_the_way() -> list[Any]:
-    """This process's live children that a restart of the fork server must wait for: its own
-    children (ours, or torch's loader's with ``multiprocessing_context="forkserver"``) would
-    read as dead to their parents once it stops, and a child forked from this process (torch's
-    own loader's workers, forked by default before Python 3.14) holds a copy of the server's
-    alive pipe, so the server would not see it close, and the stop would wait for that child
-    to exit: forever, for the workers of an iterator an exception still holds. Children
-    started by ``spawn`` hold neither. A child that code outside this module starts between
-    this check and the stop would be cut off; ours start under :data:`SERVER_LOCK`."""
-    spawned = getattr(multiprocessing.context, "SpawnProcess", ())
-    return [child for child in multiprocessing.active_children() if not isinstance(child, spawned)]
+def _server_children() -> list[Any]:
+    """This process's live children that a restart of the fork server must wait for: those it
+    started (ours, or torch's loader's with ``multiprocessing_context="forkserver"``) would read
+    as dead to their parents once it stops. A child that code outside this module starts
+    between this check and the stop would be cut off; ours start under :data:`SERVER_LOCK`."""
+    server = getattr(multiprocessing.context, "ForkServerProcess", ())
+    return [child for child in multiprocessing.active_children() if isinstance(child, server)]
+
+
+def _forked_children() -> bool:
+    """Whether a live child was forked from this process (torch's own loader's workers, forked
+    by default before Python 3.14): it holds a copy of the fork server's alive pipe, so the
+    server would not see ours close, and the stop would wait for that child to exit (forever,
+    for the workers of an iterator an exception still holds). The server is ended instead
+    (:func:`~torch_spdl.compat.stop_forkserver`). Children started by ``spawn`` hold no copy."""
+    forked = getattr(multiprocessing.context, "ForkProcess", ())
+    return any(isinstance(child, forked) for child in multiprocessing.active_children())
 
 
 WORKER_MODULE = "torch_spdl.processes"
