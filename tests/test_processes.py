@@ -1033,6 +1033,39 @@ def test_worker_processes_run_with_what_a_forked_worker_would_inherit(monkeypatc
         assert shown.tolist() == silenced.tolist()
 
 
+class Imported(Dataset):
+    """Sample ``i``: whether the module ``names[i]`` is imported in the process that reads it."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> bool:
+        return self.names[index] in sys.modules
+
+
+def test_a_filter_whose_category_a_worker_never_imports_leaves_it_unimported(
+    tmp_path, monkeypatch, no_child_left
+):
+    """DDP imports sympy, which adds a filter for its own warning class: sent as a class, that
+    filter had every worker import sympy (seconds per pool). A category travels by name, and a
+    worker that has not imported its module leaves the filter out."""
+    (tmp_path / "far_warnings.py").write_text("class FarWarning(UserWarning):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import far_warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("once", far_warnings.FarWarning)
+            dataset = Imported(["far_warnings", "torch_spdl.processes"])
+            loader = DataLoader(dataset, batch_size=None, num_workers=1, worker_method="process")
+            assert list(loader) == [False, True]
+    finally:
+        del sys.modules["far_warnings"]
+
+
 def test_the_settings_a_worker_is_given_survive_pickling_and_take_effect():
     """Filters of every shape warnings holds (compiled, or a plain module name as some tools put
     there) travel and apply in order; one that cannot travel (a category made here) stays."""

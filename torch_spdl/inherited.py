@@ -51,7 +51,7 @@ class Settings:
 
     default_dtype: torch.dtype
     pil: tuple[Any, bool] | None  # Image.MAX_IMAGE_PIXELS and ImageFile.LOAD_TRUNCATED_IMAGES
-    warning_filters: list[Any]  # those that can travel (a category of __main__'s may not)
+    warning_filters: list[Any]  # each with its category by name (:func:`_by_name`)
     grad_enabled: bool  # the capturing thread's, which the loader's threads have from its starter
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=)
     matmul_precision: str  # set_float32_matmul_precision
@@ -69,7 +69,7 @@ def capture() -> Settings:
     return Settings(
         torch.get_default_dtype(),
         pil,
-        [f for f in warnings.filters if _travels(f)],
+        [f for f in map(_by_name, warnings.filters) if _travels(f)],
         torch.is_grad_enabled(),
         _deterministic(),
         torch.get_float32_matmul_precision(),
@@ -84,6 +84,29 @@ def _deterministic() -> tuple[bool, bool]:
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
+
+
+def _by_name(entry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A warnings filter with its category as ``(module, qualname)``: unpickled as a class, it
+    would import its module in every worker (sympy's, which DDP and torch.compile import and
+    which adds a filter of its own, took seconds per pool of 8 workers on 2 cores)."""
+    action, message, category, module, lineno = entry
+    return action, message, (category.__module__, category.__qualname__), module, lineno
+
+
+def _category(names: tuple[str, str]) -> type[Warning] | None:
+    """The warning class ``names`` names, where its module is imported here; None otherwise.
+
+    A worker has imported what its job needs by the time :func:`apply` runs (the job is
+    unpickled with the settings), and what the main script imports (its fork server preloads
+    that), so a category it lacks is one no code of the job's raises. A module imported later,
+    as a sample is read, finds no filter of the main process's for its category (a library
+    sets its own as it is imported)."""
+    module, qualname = names
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, Warning) else None
 
 
 def _travels(value: Any) -> bool:
@@ -112,7 +135,10 @@ def apply(settings: Settings) -> None:
 
         Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = settings.pil
     warnings.resetwarnings()
-    for action, message, category, module, lineno in reversed(settings.warning_filters):
+    for action, message, names, module, lineno in reversed(settings.warning_filters):
+        category = _category(names)
+        if category is None:
+            continue
         with contextlib.suppress(Exception):  # one warnings would not take is left out
             warnings.filterwarnings(  # each goes first: in reverse, they end in their order
                 action, _text(message), category, _text(module), lineno
