@@ -87,12 +87,7 @@ def _pillow_image(value: Any) -> bool:
 def _pillow_reading(value: Any) -> bool:
     """Whether ``value`` is a Pillow image that reads its file as it is used: one opened lazily
     and not loaded yet, or one with frames (a GIF's, a TIFF's), each ``seek`` reading the file."""
-    if not _pillow_image(value):
-        return False
-    try:
-        return getattr(value, "fp", None) is not None or _frames(value)
-    except (OSError, ValueError):  # closed
-        return False
+    return _pillow_image(value) and (getattr(value, "fp", None) is not None or _frames(value))
 
 
 def _frames(value: Any) -> bool:
