@@ -7,6 +7,7 @@ compares ranks with each other and with torch's own DistributedSampler.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 import warnings
 
@@ -258,6 +259,10 @@ def built_before_the_group() -> DataLoader:
 
 def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     """The body of each spawned rank."""
+    # A spawned process inherits 'spawn' as its start method, and our worker processes would
+    # each import torch afresh; torchrun's ranks, fresh interpreters, have none set, so ours
+    # start from a fork server there (and torch's fork): as here from now on.
+    multiprocessing.set_start_method(None, force=True)
     early = built_before_the_group()
     early_sampler = torch_class(early.sampler) if early.rank_sampler is None else "sharded"
     persistent = DataLoader(

@@ -12,13 +12,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_MARK = "TORCH_SPDL_TEST_JOB"
+K = TypeVar("K")
 
 
 def checkout_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -113,6 +117,82 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One command of :func:`run_together`: its arguments, what it adds to (or, as None, takes
+    from) the job's environment, and where it runs."""
+
+    args: Sequence[str]
+    env: Mapping[str, str | None] = field(default_factory=dict)
+    cwd: Path = REPO
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a group of :func:`run_together` gave: each command's exit code, and their standard
+    outputs and standard errors, each joined."""
+
+    codes: list[int | str]
+    output: str
+    errors: str
+
+    def check(self) -> str:
+        """The standard output, failing unless every command exited with 0."""
+        assert self.codes == [0] * len(self.codes), self.output + self.errors
+        return self.output
+
+
+def run_together(groups: Mapping[K, Sequence[Run]], timeout: float = 180) -> dict[K, Ran]:
+    """Every command of every group started at once, in one job (see :func:`job_env`): what each
+    group gave. Most of such a run is starting interpreters and waiting for peers, so on two
+    cores several finish in little more than the slowest's time.
+    Outputs go to files, not pipes: a command blocked on a full pipe that nobody reads yet would
+    stall its peers. A command still running at ``timeout`` s is killed and reads as
+    ``"timeout"``."""
+    deadline = time.monotonic() + timeout
+    with contextlib.ExitStack() as stack, job_env() as env:
+        started = {name: [_start(run, env, stack) for run in runs] for name, runs in groups.items()}
+        ran = {name: [_finish(*one, deadline) for one in group] for name, group in started.items()}
+    return {
+        name: Ran(
+            [code for code, _, _ in ran[name]],
+            "\n".join(out for _, out, _ in ran[name]),
+            "\n".join(err for _, _, err in ran[name]),
+        )
+        for name in groups
+    }
+
+
+Sinks = tuple[IO[str], IO[str]]
+
+
+def _start(
+    run: Run, env: Mapping[str, str], stack: contextlib.ExitStack
+) -> tuple[subprocess.Popen, Sinks]:
+    env = {**env, **run.env}
+    env = {name: value for name, value in env.items() if value is not None}
+    # both closed by ``stack``, which ruff does not see through a parameter
+    output = stack.enter_context(tempfile.TemporaryFile("w+"))  # noqa: SIM115
+    errors = stack.enter_context(tempfile.TemporaryFile("w+"))  # noqa: SIM115
+    sinks = (output, errors)
+    proc = subprocess.Popen(run.args, cwd=run.cwd, env=env, stdout=output, stderr=errors)
+    return proc, sinks
+
+
+def _finish(proc: subprocess.Popen, sinks: Sinks, deadline: float) -> tuple[int | str, str, str]:
+    """``proc``'s exit code, output and errors, killing it once ``deadline`` has passed."""
+    try:
+        code: int | str = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    finally:
+        proc.kill()
+        proc.wait()
+    for sink in sinks:
+        sink.seek(0)
+    return code, sinks[0].read(), sinks[1].read()
 
 
 def run_python(*args: str, timeout: float = 120) -> str:

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import helper_pids
 from PIL import Image
-from subprocesses import REPO, job_env, run_python
+from subprocesses import Ran, Run, run_python, run_together
 
 import torch_spdl
 from torch_spdl import gil
@@ -422,26 +423,41 @@ def test_only_the_images_workload_imports_torchvision():
     assert run_python("-c", code).strip() == "False"
 
 
-def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> dict[str, tuple[Ran, Path]]:
+    """The two smoke runs below, at once (each mostly starts interpreters and loaders): what
+    each gave and its folder."""
+    one, several = tmp_path_factory.mktemp("bench-one"), tmp_path_factory.mktemp("bench-several")
+    (several / "tmp").mkdir()
+    bench = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads"]
+    runs = {
+        "one": Run(
+            [*bench, "A", "--batches", "1", "--images", "64", "--out", str(one / "out")],
+            env={"XDG_CACHE_HOME": str(one / "cache")},
+        ),
+        "several": Run(
+            [*bench, "C,B", "--batches", "2", "--strings", "5000", "--out", str(several / "out")],
+            env={"TMPDIR": str(several / "tmp")},
+        ),
+    }
+    ran = run_together({name: [run] for name, run in runs.items()})
+    return {"one": (ran["one"], one), "several": (ran["several"], several)}
+
+
+def test_quick_run_prints_the_table_and_writes_the_plot(smoke_runs):
     """Workload A end to end: the table, the targets, the per-stage view, the JSON and the PNG.
     One workload runs in the bench's own process."""
+    ran, tmp_path = smoke_runs["one"]
+    stdout = ran.check()
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "A"]
-    command += ["--batches", "1", "--images", "64", "--out", str(out)]
-    with job_env() as env:
-        env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-        result = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-        )
-    assert result.returncode == 0, result.stdout + result.stderr
     header = "| " + " | ".join(report.COLUMNS) + " |"
-    assert header in result.stdout
+    assert header in stdout
     most = max(series.host_workers())  # the sweep follows the host: 1, half, all its cores
-    assert f"\n| A | torch_spdl hooks+fast path | {most} |" in result.stdout, result.stdout
-    assert "Targets:" in result.stdout
-    assert "[met]" in result.stdout or "[NOT met]" in result.stdout
-    assert "Workload A, loader CPU per sample by thread or process" in result.stdout
-    assert f"[round 1/1] A torch_spdl hooks+fast path ({most})" in result.stderr  # progress
+    assert f"\n| A | torch_spdl hooks+fast path | {most} |" in stdout, stdout
+    assert "Targets:" in stdout
+    assert "[met]" in stdout or "[NOT met]" in stdout
+    assert "Workload A, loader CPU per sample by thread or process" in stdout
+    assert f"[round 1/1] A torch_spdl hooks+fast path ({most})" in ran.errors  # progress
     assert (tmp_path / "cache" / "torch_spdl" / "bench").is_dir()  # not the real home cache
     with Image.open(out / "bench.png") as image:
         assert image.format == "PNG"
@@ -452,22 +468,15 @@ def test_quick_run_prints_the_table_and_writes_the_plot(tmp_path):
     assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])
 
 
-def test_several_workloads_run_in_fresh_processes_under_a_parent_without_torch(tmp_path):
+def test_several_workloads_run_in_fresh_processes_under_a_parent_without_torch(smoke_runs):
     """With several workloads each runs in its own process, under a parent that has not mapped
     torch: one that had would take its share of torch's pages off every PSS measured."""
+    ran, tmp_path = smoke_runs["several"]
+    stdout = ran.check()
     out = tmp_path / "out"
-    (tmp_path / "tmp").mkdir()
-    command = [sys.executable, "-m", "torch_spdl.bench", "--quick", "--workloads", "C,B"]
-    command += ["--batches", "2", "--strings", "5000", "--out", str(out)]
-    with job_env() as env:
-        env["TMPDIR"] = str(tmp_path / "tmp")
-        result = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-        )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "\n| B | torch_spdl async load | 16 |" in result.stdout, result.stdout
-    assert "\n| C | torch_spdl | 2 |" in result.stdout, result.stdout
-    assert result.stderr.index("workload C") < result.stderr.index("workload B")
+    assert "\n| B | torch_spdl async load | 16 |" in stdout, stdout
+    assert "\n| C | torch_spdl | 2 |" in stdout, stdout
+    assert ran.errors.index("workload C") < ran.errors.index("workload B")
     raw = json.loads((out / "bench.json").read_text())
     assert raw["environment"]["torch_outside"] is False
     assert raw["command"].endswith("--out " + str(out))  # the user's arguments only

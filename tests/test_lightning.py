@@ -12,18 +12,16 @@ by running the launching command line again.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
+import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning")
 
-from subprocesses import free_port, job_env  # noqa: E402
+from subprocesses import Ran, Run, free_port, run_together  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -49,56 +47,34 @@ CASES = [
 ]
 
 
-def script_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without what would make Lightning think it runs under a launcher already."""
-    env = {
-        key: value
-        for key, value in env.items()
-        if key not in FOREIGN_ENV and not key.startswith(FOREIGN_PREFIXES)
+def script_env() -> dict[str, str | None]:
+    """What the fit's environment changes: it loses what would make Lightning think it runs
+    under a launcher already (None), and gets a port of its own."""
+    env: dict[str, str | None] = {
+        key: None for key in os.environ if key in FOREIGN_ENV or key.startswith(FOREIGN_PREFIXES)
     }
-    env["MASTER_ADDR"] = "127.0.0.1"
-    env["MASTER_PORT"] = str(free_port())
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     return env
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory) -> dict[tuple[str, str], list[dict] | str]:
     """Both ranks' records of each case's 2-epoch fit, or why there are none. The fits run at
-    once, each in its own process group: most of a fit is starting its processes."""
+    once, in one job: most of a fit is starting its processes."""
     outs = {case: tmp_path_factory.mktemp(f"lightning-{'-'.join(case)}") for case in CASES}
-    # one job: a hung rank 1 (a script's child) ends with the fixture
-    with contextlib.ExitStack() as stack, job_env() as env:
-        procs = {}
-        for case, out in outs.items():
-            sink = stack.enter_context((out / "log.txt").open("w"))
-            procs[case] = subprocess.Popen(
-                [sys.executable, str(SCRIPT), *case, str(out)],
-                cwd=out,
-                env=script_env(env),
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 180
-        codes = {case: finished(proc, deadline) for case, proc in procs.items()}
-    return {case: records(outs[case], codes[case]) for case in CASES}
+    ran = run_together({case: [script_run(case, out)] for case, out in outs.items()})
+    return {case: records(outs[case], ran[case]) for case in CASES}
 
 
-def finished(proc: subprocess.Popen, deadline: float) -> int | str:
-    """``proc``'s exit code, or a timeout once ``deadline`` has passed (it is killed then)."""
-    try:
-        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        return "timeout (180 s)"
-    finally:
-        proc.kill()
-        proc.wait()
+def script_run(case: tuple[str, str], out: Path) -> Run:
+    """The fit of ``case``, writing its records to ``out`` (and running there)."""
+    return Run([sys.executable, str(SCRIPT), *case, str(out)], script_env(), cwd=out)
 
 
-def records(out: Path, code: int | str) -> list[dict] | str:
-    output = (out / "log.txt").read_text()[-6000:]
-    if code != 0:
-        return f"fit exited with {code}:\n{output}"
+def records(out: Path, ran: Ran) -> list[dict] | str:
+    output = (ran.output + ran.errors)[-6000:]
+    if ran.codes != [0]:
+        return f"fit exited with {ran.codes[0]}:\n{output}"
     files = [out / f"rank{rank}.json" for rank in range(WORLD)]
     if not all(f.exists() for f in files):
         return f"missing rank records:\n{output}"
