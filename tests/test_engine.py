@@ -139,6 +139,34 @@ def test_on_start_error_reaches_consumer():
         list(pipe)
 
 
+def test_an_on_start_error_is_raised_before_the_items_made_meanwhile():
+    """torch raises a worker's failed ``worker_init_fn`` at the first batch it gives that worker,
+    not after the batches the other workers make meanwhile. Here worker 1's start fails once
+    worker 0 has made item 1 and is on item 2; once that thread has ended, the next request
+    raises, though item 1 waits to be taken: a fatal error stops the pipeline, and a stopped
+    channel gives nothing more."""
+    fail, reached = threading.Event(), threading.Event()
+
+    def on_start(worker):
+        if worker == 1:
+            assert fail.wait(10)
+            raise RuntimeError("init failed in 1")
+
+    def fn(x):
+        if x == 2:
+            reached.set()
+        return x
+
+    pipe = Pipeline(range(10), [Stage("late-start", fn, 2, on_start=on_start)])
+    assert next(pipe) == 0
+    assert reached.wait(10)
+    fail.set()
+    (thread,) = [t for t in threading.enumerate() if t.name.endswith(":late-start:1")]
+    thread.join(10)
+    with pytest.raises(RuntimeError, match="init failed in 1"):
+        next(pipe)
+
+
 def test_stream_stage_merges_the_items_of_a_numbered_source():
     def pairs(items):
         parts = {}
