@@ -1,4 +1,5 @@
-"""torch_spdl: a drop-in ``torch.utils.data.DataLoader`` on per-stage thread pools."""
+"""torch_spdl: a drop-in ``torch.utils.data.DataLoader`` on per-stage pools: threads, and worker
+processes for a stage whose Python holds the GIL."""
 
 import importlib
 import sys
