@@ -67,7 +67,7 @@ from .compat import (
 from .copies import CopyTask
 from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
-from .messages import END, ERROR, READY, RESET, RUN, Reply, dumps
+from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack
 from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
@@ -116,7 +116,7 @@ def _write_stack_on_request(pipe: connection.Connection | None) -> None:
 
 def _worker_main(
     settings: inherited.Settings,
-    job: Job,
+    sent: Job | Packed,
     worker: int,
     num_workers: int,
     base_seed: int,
@@ -126,6 +126,7 @@ def _worker_main(
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone."""
+    job = sent.unpack() if isinstance(sent, Packed) else sent  # as a job not packed fails: here
     try:
         inherited.apply(settings)  # what a forked worker would have had
         set_worker_signal_handlers()
@@ -249,7 +250,9 @@ def _start_process(
     num_workers: int,
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
+    sent: Job | Packed,
 ) -> _Worker:
+    """Worker process ``worker`` of ``job``, which it is sent as ``sent`` (:func:`pack`)."""
     ours, theirs = context.Pipe()
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
     # Processes forked later (our other workers included) must not hold our end: then a worker
@@ -259,7 +262,7 @@ def _start_process(
             util.register_after_fork(end, connection.Connection.close)
     process = context.Process(
         target=_worker_main,
-        args=(settings, job, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
+        args=(settings, sent, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
         name=f"torch_spdl-{job.stage}-{worker}",
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
@@ -369,12 +372,19 @@ class ProcessPool:
         context = start_context(context, modules_of(job))
         settings = inherited.capture()  # as they are now, for every worker, replacements too
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
-        self._spawn: Callable[[int], _Worker] = lambda worker: _start_process(
-            context, settings, job, worker, num_workers, base_seed, worker_init_fn
-        )
+
+        def spawn(worker: int, sent: Job | Packed = job) -> _Worker:
+            """Start process ``worker``; a replacement (for one that died) is sent the job as
+            it is then."""
+            return _start_process(
+                context, settings, job, worker, num_workers, base_seed, worker_init_fn, sent
+            )
+
+        self._spawn = spawn
+        packed = pack(job)  # pickled once for all of them, not once per worker
         try:
             for worker in range(num_workers):
-                self._processes.workers.append(self._spawn(worker))
+                self._processes.workers.append(self._spawn(worker, packed))
         except BaseException:
             self.close()
             raise
