@@ -525,6 +525,16 @@ def test_a_pool_pickles_its_dataset_once_for_all_its_workers():
     assert CountsPickles.pickled == 2
 
 
+def test_forked_workers_are_given_the_dataset_unpickled():
+    """``fork`` copies the main process, dataset included, as torch's workers are: nothing to
+    pickle, so nothing is."""
+    CountsPickles.pickled = 0
+    loader = ours(CountsPickles(), num_workers=2, batch_size=4, multiprocessing_context="fork")
+    expected = [b["i"].tolist() for b in torchs(Squares(), num_workers=2, batch_size=4)]
+    assert [b["i"].tolist() for b in loader] == expected
+    assert CountsPickles.pickled == 0
+
+
 class HoldsALock(Squares):
     """A dataset holding a multiprocessing lock, which only a process being started may pickle."""
 

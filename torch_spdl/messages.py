@@ -110,10 +110,15 @@ class _Shared:
 
 def _in_shared_memory(message: memoryview) -> memoryview:
     """A small message that carries ``message`` in shared memory (one segment, one descriptor)."""
-    shared = torch.frombuffer(message, dtype=torch.uint8).share_memory_()  # copied there once
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(_Shared(shared))
+    ForkingPickler(buffer).dump(_Shared(_shared_bytes(message)))
     return buffer.getbuffer()
+
+
+def _shared_bytes(data: memoryview) -> torch.Tensor:
+    """``data`` copied once into a shared-memory tensor, which torch's reductions send to each
+    process as a descriptor of that one segment."""
+    return torch.frombuffer(data, dtype=torch.uint8).share_memory_()
 
 
 def _loads_shared(message: torch.Tensor) -> Any:
@@ -130,19 +135,24 @@ class Packed:
     the job is pickled once, into shared memory where it is large (:data:`LARGE_MESSAGE`); each
     worker is sent that, and what needs multiprocessing's own reductions to reach a process
     (tensors, which go to shared memory, connections, sockets) alongside it, as before.
+    Unpickled, it is the job: a worker receives its job as it would without packing.
     """
 
     def __init__(self, data: bytes | torch.Tensor, side: list[Any]) -> None:
         self.data = data
         self.side = side
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes | torch.Tensor, list[Any]]]:
+        return _unpacked, (self.data, self.side)
+
     def unpack(self) -> Any:
-        """The job, read once: the pickle and its shared memory are let go of here, while the
-        process that started the worker still holds this object among its arguments."""
+        """The job."""
         data = self.data if isinstance(self.data, bytes) else self.data.numpy().data
-        job = _SideUnpickler(io.BytesIO(data), self.side).load()
-        self.data, self.side = b"", []
-        return job
+        return _SideUnpickler(io.BytesIO(data), self.side).load()
+
+
+def _unpacked(data: bytes | torch.Tensor, side: list[Any]) -> Any:
+    return Packed(data, side).unpack()
 
 
 def pack(obj: Any) -> Any:
@@ -159,7 +169,7 @@ def pack(obj: Any) -> Any:
     data = buffer.getbuffer()
     if len(data) <= LARGE_MESSAGE:
         return Packed(bytes(data), pickler.side)
-    return Packed(torch.frombuffer(data, dtype=torch.uint8).share_memory_(), pickler.side)
+    return Packed(_shared_bytes(data), pickler.side)
 
 
 class _PackPickler(ForkingPickler):

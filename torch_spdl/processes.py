@@ -116,7 +116,7 @@ def _write_stack_on_request(pipe: connection.Connection | None) -> None:
 
 def _worker_main(
     settings: inherited.Settings,
-    sent: Job | Packed,
+    job: Job,
     worker: int,
     num_workers: int,
     base_seed: int,
@@ -126,7 +126,6 @@ def _worker_main(
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone."""
-    job = sent.unpack() if isinstance(sent, Packed) else sent  # as a job not packed fails: here
     try:
         inherited.apply(settings)  # what a forked worker would have had
         set_worker_signal_handlers()
@@ -252,7 +251,8 @@ def _start_process(
     worker_init_fn: Callable[[int], None] | None,
     sent: Job | Packed,
 ) -> _Worker:
-    """Worker process ``worker`` of ``job``, which it is sent as ``sent`` (:func:`pack`)."""
+    """Worker process ``worker`` of ``job``, which it is sent as ``sent``: the job, or the job
+    packed (:func:`~torch_spdl.messages.pack`), which unpickles to it."""
     ours, theirs = context.Pipe()
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
     # Processes forked later (our other workers included) must not hold our end: then a worker
@@ -381,7 +381,8 @@ class ProcessPool:
             )
 
         self._spawn = spawn
-        packed = pack(job)  # pickled once for all of them, not once per worker
+        # pickled once for all of them, not once per worker; a forked worker is given it as is
+        packed = job if context.get_start_method() == "fork" else pack(job)
         try:
             for worker in range(num_workers):
                 self._processes.workers.append(self._spawn(worker, packed))
