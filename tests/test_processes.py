@@ -8,6 +8,7 @@ checked at once, without waiting: stopping a pipeline joins its processes before
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -44,6 +45,7 @@ from torch_spdl import (
     processes,
     start_method,
 )
+from torch_spdl.hooks import WholeSamples, resolve_hooks
 
 N = 23  # prime: no batch size divides it
 EPOCHS = 2
@@ -473,6 +475,78 @@ def test_a_staged_dataset_is_read_whole_in_the_workers_as_torchs_are(persistent)
             assert set(pids.tolist()) == set(batch["preprocess"].tolist()) != {os.getpid()}
             assert len(set(pids.tolist())) == 1  # one worker read the whole batch
             assert all(name.startswith("torch_spdl-load") for name in names)
+
+
+class Gated(StagedDataset):
+    """Loads from index ``gated`` on wait until the first sample is preprocessed (and fail if it
+    never is): read whole, the loads after a sample must go on while it is preprocessed."""
+
+    def __init__(self, n: int, gated: int, fail_at: dict[str, int] | None = None) -> None:
+        self.n, self.gated, self.fail_at = n, gated, fail_at or {}
+        self.first_done = threading.Event()
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, index: int) -> int:
+        self.loaded.append(index)
+        if index == self.fail_at.get("load"):
+            raise KeyError(f"no file for {index}")
+        if index >= self.gated and not self.first_done.wait(timeout=10):
+            raise TimeoutError(f"load {index} waited for a preprocess that never ran")
+        return index
+
+    def preprocess(self, raw: int) -> int:
+        if raw == self.fail_at.get("preprocess"):
+            raise ValueError(f"cannot decode {raw}")
+        self.first_done.set()
+        return raw * 10
+
+
+def read_whole(dataset: Gated, indices: list[int], io_threads: int = 2) -> list[Any]:
+    samples = WholeSamples(dataset, resolve_hooks(dataset, None, None), io_threads)
+    with contextlib.closing(samples):
+        return samples.__getitems__(indices)
+
+
+def test_a_batch_read_whole_preprocesses_each_sample_while_the_loads_after_it_go_on():
+    """All of a batch's loads, then all its preprocessing, made a batch take both in turn; the
+    last load here waits for the first sample's preprocess, so it only ends where they overlap."""
+    dataset = Gated(8, gated=7)
+    assert read_whole(dataset, list(range(8))) == [i * 10 for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "error", "failed_at"),
+    [
+        ({"load": 3, "preprocess": 1}, ValueError, ("preprocess", 1)),
+        ({"load": 1, "preprocess": 3}, KeyError, ("load", 1)),
+    ],
+)
+def test_a_batch_read_whole_raises_the_error_a_loop_over_getitem_meets_first(
+    fail_at, error, failed_at
+):
+    """A loop over ``__getitem__`` (torch's worker) meets sample 1's error before sample 3's,
+    whichever stage fails; the loads not begun by then are cancelled."""
+    dataset = Gated(64, gated=64, fail_at=fail_at)
+    with pytest.raises(error) as looped:
+        [dataset[i] for i in range(64)]
+    samples = WholeSamples(dataset, resolve_hooks(dataset, None, None), 2)
+    with contextlib.closing(samples), pytest.raises(error) as read:
+        samples.__getitems__(list(range(64)))
+    assert str(read.value) == str(looped.value)
+    assert samples.failed_at == failed_at
+
+
+def test_a_failed_sample_cancels_the_loads_of_its_batch_not_yet_begun():
+    dataset = Gated(64, gated=1, fail_at={"preprocess": 0})
+    samples = WholeSamples(dataset, resolve_hooks(dataset, None, None), 2)
+    with pytest.raises(ValueError, match="cannot decode 0"):
+        samples.__getitems__(list(range(64)))
+    dataset.first_done.set()  # the loads begun meanwhile (two threads: 1 and 2 at most) end
+    samples.close()
+    assert sorted(dataset.loaded) in ([0, 1], [0, 1, 2])
 
 
 def test_a_task_the_worker_cannot_unpickle_fails_that_sample():

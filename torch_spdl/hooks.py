@@ -20,8 +20,9 @@ a batch, where there are no hooks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -153,11 +154,11 @@ def _identity(raw: Any) -> Any:
 
 class WholeSamples:
     """A staged dataset read whole, as its ``__getitem__`` reads it: ``load``, then
-    ``preprocess``. A batch's loads (I/O) run on ``io_threads`` threads of their own, so a worker
-    process that reads its batches whole, as torch's workers do, keeps the concurrency of the
-    loader's load stage. ``failed_at`` names the stage and the index of the sample whose error
-    is being raised, as the split stages' errors name them. Made where it is used (in the
-    worker), never pickled."""
+    ``preprocess``. A batch's loads (I/O) run on ``io_threads`` threads of their own, ahead of
+    its preprocessing, so a worker process that reads its batches whole, as torch's workers do,
+    keeps the concurrency of the loader's load stage and its overlap of I/O with CPU work.
+    ``failed_at`` names the stage and the index of the sample whose error is being raised, as
+    the split stages' errors name them. Made where it is used (in the worker), never pickled."""
 
     def __init__(self, dataset: Any, hooks: Hooks, io_threads: int) -> None:
         self.dataset = dataset
@@ -173,21 +174,36 @@ class WholeSamples:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
-        """The samples of ``indices``: loaded concurrently, then preprocessed in turn."""
+        """The samples of ``indices``, each preprocessed as soon as its load is done while the
+        loads after it go on in the I/O threads: a batch takes about the longer of its loads and
+        its preprocessing, not both in turn. Errors come in the batch's order, as a loop over
+        ``__getitem__`` raises them."""
         self.failed_at = None
-        if self._io is None or len(indices) < 2:
-            loaded = [self._loaded(index) for index in indices]
-        else:
-            loaded = list(self._io.map(self._loaded, indices))
         samples = []
-        for index, (raw, error) in zip(indices, loaded, strict=True):
-            if error is not None:  # the first failing load in the batch's order, as a loop's
-                self.failed_at = ("load", index)
-                raise error
-            self.failed_at = ("preprocess", index)
-            samples.append(self._preprocess(raw))
+        with contextlib.closing(self._loads(indices)) as loaded:
+            for index, (raw, error) in zip(indices, loaded, strict=True):
+                if error is not None:
+                    self.failed_at = ("load", index)
+                    raise error
+                self.failed_at = ("preprocess", index)
+                samples.append(self._preprocess(raw))
         self.failed_at = None
         return samples
+
+    def _loads(self, indices: Sequence[Any]) -> Generator[tuple[Any, Exception | None], None, None]:
+        """Each index's loaded item or error, in order: on the I/O threads, all begun at once,
+        where there are several. Closed early (a sample failed), it cancels the loads not yet
+        begun."""
+        if self._io is None or len(indices) < 2:
+            yield from map(self._loaded, indices)
+        else:
+            yield from self._io.map(self._loaded, indices)
+
+    def close(self) -> None:
+        """Stop the load threads, once their loads are done (a worker process's end stops them
+        too)."""
+        if self._io is not None:
+            self._io.shutdown()
 
     def _loaded(self, index: Any) -> tuple[Any, Exception | None]:
         try:
