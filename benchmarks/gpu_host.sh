@@ -4,7 +4,7 @@
 # 15 minutes a task at most.
 #
 # Each step has a time limit of its own, so a step that hangs costs only its limit; each writes
-# its log to $OUT/<step>.log (8 files: the summary and 7 logs), and
+# its log to $OUT/<step>.log (9 files: the summary and 8 logs), and
 # $OUT/summary.txt says what ran where, each step's exit status and its seconds.
 #
 #   1. data          workload A's synthetic ImageFolder, 4,096 JPEGs (shared by the steps below)
@@ -19,6 +19,9 @@
 #   5. pass_probe    each pass's worker-process costs against torch's, and the GPU decode's
 #                    slow batches with the transfer thread's stacks
 #   6. gpu_transfer  the transfer stage's bandwidth and a ResNet-50 step's data stall
+#   7. server_start  what a fork server's start is made of: a fresh interpreter importing torch,
+#                    torchvision and torch_spdl's worker module, then a fork server preloading
+#                    them up to its first worker (12 s on the H200, 4-4.5 s on 2 cores)
 # benchmarks/gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
 # H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
 #
@@ -78,4 +81,21 @@ step bench_A 80 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --round
     --batches 8 --no-analysis --out /tmp/gpu_host_bench
 step pass_probe 50 $PY benchmarks/gpu_pass_probe.py ab
 step gpu_transfer 45 $PY benchmarks/gpu_transfer.py --rounds 1 --steps 30
+step server_start 25 $PY -c "import multiprocessing, subprocess, sys, time
+wanted = ['torch', 'torchvision', 'torch_spdl.processes']
+began = time.perf_counter()
+run = subprocess.run([sys.executable, '-X', 'importtime', '-c', 'import ' + ', '.join(wanted)],
+                     capture_output=True, text=True, check=True)
+print(f'a fresh interpreter imports {wanted}: {time.perf_counter() - began:.2f} s, of which')
+for line in run.stderr.splitlines()[1:]:  # 'import time: self | cumulative | name', top level
+    self_us, cumulative_us, name = line.split(':', 1)[1].split('|')
+    if not name.startswith('  ') and int(cumulative_us) > 100_000:
+        print(f'  {name.strip()}: {int(cumulative_us) / 1e6:.2f} s')
+context = multiprocessing.get_context('forkserver')
+context.set_forkserver_preload(wanted)
+began = time.perf_counter()
+worker = context.Process(target=print)
+worker.start()
+worker.join()
+print(f'fork server up and its first worker done: {time.perf_counter() - began:.2f} s')"
 cat "$summary"
