@@ -17,13 +17,11 @@ Usage: ``python benchmarks/remote_folder.py [--latency-ms 4] [--rounds 3] [--wor
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import time
 from typing import Any
 
 import torch
-from PIL import Image
 from torchvision import datasets
 
 import torch_spdl
@@ -31,29 +29,26 @@ from torch_spdl.bench.data import synthetic_imagefolder
 from torch_spdl.bench.images import COMMON, classic_transform
 from torch_spdl.bench.measure import Sample, Variant, measure
 from torch_spdl.bench.training import calibrate
+from torch_spdl.folder import FolderHooks
 
 
 class RemoteFolder(torch_spdl.StagedDataset):
-    """An ImageFolder whose ``load`` waits ``latency`` seconds before reading each file."""
+    """An ImageFolder read as the loader splits it (:class:`~torch_spdl.folder.FolderHooks`),
+    its ``load`` waiting ``latency`` seconds before reading each file."""
 
     def __init__(self, folder: datasets.ImageFolder, latency: float) -> None:
-        self.samples = folder.samples
-        self.transform = folder.transform
+        self.hooks = FolderHooks(folder)
         self.latency = latency
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.hooks.dataset)
 
-    def load(self, index: int) -> tuple[bytes, int]:
-        path, label = self.samples[index]
+    def load(self, index: int) -> tuple[bytes, Any, str]:
         time.sleep(self.latency)  # the storage's round trip
-        with open(path, "rb") as file:
-            return file.read(), label
+        return self.hooks.load(index)
 
-    def preprocess(self, raw: tuple[bytes, int]) -> tuple[torch.Tensor, int]:
-        data, label = raw
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        return self.transform(image), label
+    def preprocess(self, raw: tuple[bytes, Any, str]) -> tuple[Any, Any]:
+        return self.hooks.preprocess(raw)
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
