@@ -87,10 +87,11 @@ began = time.perf_counter()
 run = subprocess.run([sys.executable, '-X', 'importtime', '-c', 'import ' + ', '.join(wanted)],
                      capture_output=True, text=True, check=True)
 print(f'a fresh interpreter imports {wanted}: {time.perf_counter() - began:.2f} s, of which')
-for line in run.stderr.splitlines()[1:]:  # 'import time: self | cumulative | name', top level
-    self_us, cumulative_us, name = line.split(':', 1)[1].split('|')
-    if not name.startswith('  ') and int(cumulative_us) > 100_000:
-        print(f'  {name.strip()}: {int(cumulative_us) / 1e6:.2f} s')
+for line in run.stderr.splitlines():  # 'import time: self | cumulative | name', warnings too
+    fields = line.split(':', 1)[1].split('|') if line.startswith('import time:') else []
+    if len(fields) == 3 and fields[1].strip().isdigit() and not fields[2].startswith('  '):
+        if int(fields[1]) > 100_000:  # a top-level import of over 0.1 s
+            print(f'  {fields[2].strip()}: {int(fields[1]) / 1e6:.2f} s')
 context = multiprocessing.get_context('forkserver')
 context.set_forkserver_preload(wanted)
 began = time.perf_counter()
