@@ -26,11 +26,9 @@ needs_it = pytest.mark.skipif(DECODE is None, reason="nvImageCodec is not instal
 
 
 def whole_crop(data: bytes, box: tuple[int, int, int, int]) -> torch.Tensor:
-    """The reference: torchvision's decode of the whole image, cropped, ``H×W×C``."""
+    """The reference: torchvision's decode of the whole image, cropped, ``1×C×H×W``."""
     top, left, height, width = box
-    return _decode(tensor_of(data), "RGB")[:, top : top + height, left : left + width].permute(
-        1, 2, 0
-    )
+    return _decode(tensor_of(data), "RGB")[None, :, top : top + height, left : left + width]
 
 
 def boxes(height: int, width: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
@@ -84,6 +82,18 @@ def test_the_region_is_the_whole_images_crop(name):
 def test_a_header_that_disagrees_with_the_decoder_is_left_to_the_whole_decode():
     data = jpeg(60, 80)
     assert DECODE(tensor_of(data), (80, 60), (0, 0, 10, 10)) is None
+
+
+@needs_it
+def test_the_region_comes_as_a_batch_of_one_that_the_resize_keeps_channels_last():
+    """The decoded ``H×W×C`` pixels, handed over as a ``1×C×H×W`` view whose batch stride torch
+    reads as channels-last: resized, the batch stays channels-last (torch's fast uint8 kernel);
+    a view whose batch stride is 0, as NumPy's ``[None]`` makes, comes out contiguous instead."""
+    got = DECODE(tensor_of(jpeg(60, 80)), (60, 80), (5, 6, 30, 40))
+    assert got is not None and tuple(got.shape) == (1, 3, 30, 40)
+    resized = torch.nn.functional.interpolate(got, size=(16, 16), mode="bilinear", antialias=True)
+    assert resized.is_contiguous(memory_format=torch.channels_last)
+    assert not resized.is_contiguous()
 
 
 def crops(data: bytes, *, regions: bool, draws: int = 30) -> list[torch.Tensor]:

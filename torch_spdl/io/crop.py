@@ -227,11 +227,7 @@ class RandomResizedCrop:
         if decode is None or self.mode != "RGB" or not _starts_with(encoded, _JPEG_MAGIC):
             return None
         region = decode(encoded, size, box)
-        if region is None:
-            return None
-        # H×W×C is 1×C×H×W channels-last; batch dimension first, so that its stride says so too
-        # (unsqueezed after the permute, torch's resize takes its slow path, twice the time)
-        return _resized(region[None].permute(0, 3, 1, 2), self.size, self.antialias)
+        return None if region is None else _resized(region, self.size, self.antialias)
 
     def _whole(
         self, encoded: torch.Tensor, image: torch.Tensor | None, size: tuple[int, int], box: Box

@@ -7,7 +7,9 @@ for the rows above, and it stops after the last row), but neither exposes that. 
 libjpeg-turbo backend, on the CPU alone: it needs no GPU and no CUDA runtime, and it releases the
 GIL while it decodes. Its pixels are libjpeg-turbo's, the same as torchvision's decode of the
 whole image cropped (``tests/test_region.py`` holds them to that). The decoded region comes
-interleaved (``H×W×C``), which is the channels-last layout the resize reads fastest.
+interleaved (``H×W×C``), which is the channels-last layout the resize reads fastest; it is handed
+over as that layout's ``1×C×H×W`` view, made on the NumPy side: each torch call lets the GIL go,
+and where the loader's threads wait for it each is a hand-off, while NumPy's views keep it.
 
 :func:`region_decoder` is the one place that knows the library: it returns ``None`` where it is
 missing, and the caller decodes the whole image as before.
@@ -38,8 +40,8 @@ _EOI = b"\xff\xd9"
 _VERBOSITY = "PYNVIMGCODEC_VERBOSITY"
 
 # an encoded JPEG (1-D uint8 tensor), its (height, width) as its header says, and a box in those
-# pixels → the box's RGB pixels, uint8 ``H×W×3``; None where the decoder refuses the file or sees
-# another size (the caller's whole-image decode then names the problem)
+# pixels → the box's RGB pixels, uint8 ``1×3×H×W`` channels-last (the resize's input); None where
+# the decoder refuses the file or sees another size (the caller's whole decode names the problem)
 RegionDecode = Callable[[torch.Tensor, tuple[int, int], Box], "torch.Tensor | None"]
 
 
@@ -124,7 +126,10 @@ class _Decoder:
             return None
         if image is None:  # its decoder refuses the file
             return None
-        return torch.from_numpy(np.asarray(image))  # the array keeps the image's buffer alive
+        pixels = np.asarray(image)  # H×W×C; the array keeps the image's buffer alive
+        # the batch dimension by reshape, whose stride torch's resize reads as channels-last (a
+        # view by indexing would have stride 0 there, and the resize would take its slow path)
+        return torch.from_numpy(pixels.reshape(1, *pixels.shape).transpose(0, 3, 1, 2))
 
     def _decoder(self) -> Any:
         local = self._local
