@@ -290,6 +290,33 @@ def test_collate_into_out_reuses_it():
     assert torch.equal(out, torch.stack(images))
 
 
+def test_collate_copies_the_batch_in_one_torch_call_whatever_its_size():
+    """Each torch call lets the GIL go; one per image would be a hand-off per image wherever
+    the training loop holds the GIL (a copy per image took 616 ms a batch of 64 beside a busy
+    thread, against 19 for one call)."""
+    images = decoded_batch(8)
+    out = torch.empty((8, 3, 40, 60), dtype=torch.uint8, memory_format=torch.channels_last)
+    with CountedCalls() as calls:
+        collate_images(images, out)
+    assert len(calls.names) == 1, calls.names
+    assert torch.equal(out, torch.stack(images))
+
+
+class CountedCalls(torch.overrides.TorchFunctionMode):
+    """The torch functions and tensor methods called while it is active, by name (attributes
+    read, such as ``shape``, are not calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_collate_names_the_mismatched_index():
     images = decoded_batch()
     with pytest.raises(ValueError, match="image 3 has shape \\(3, 40, 59\\)"):
