@@ -130,9 +130,10 @@ def _resized(crop: torch.Tensor, size: tuple[int, int], antialias: bool) -> torc
 def image_size(encoded: torch.Tensor) -> tuple[int, int] | None:
     """``(height, width)`` from a JPEG's or PNG's header; None for other formats."""
     if _starts_with(encoded, _PNG_MAGIC):
-        if len(encoded) < 24 or encoded[12:16].numpy().tobytes() != b"IHDR":
+        data = encoded.numpy()  # not torch slices: each would be a tensor to free
+        if len(data) < 24 or data[12:16].tobytes() != b"IHDR":
             return None
-        width, height = struct.unpack(">II", encoded[16:24].numpy().tobytes())
+        width, height = struct.unpack(">II", data[16:24].tobytes())
         return height, width
     return jpeg_dimensions(encoded) if _starts_with(encoded, _JPEG_MAGIC) else None
 
