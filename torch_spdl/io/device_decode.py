@@ -123,8 +123,8 @@ def _unpacked(
     a view of ``packed``.
 
     The views are slices, not ``packed.split(lengths)``: this runs in the main process, beside
-    the training loop, and freeing a tensor lets the GIL go; a split's views cost more hand-offs
-    to make and free (256 views beside a busy Python thread: 622-663 ms, slices 284-453)."""
+    the training loop, and making and freeing a tensor can let the GIL go; a split's views
+    cost more such hand-offs than slices (docs/performance.md, "Tensors made and freed")."""
     ends = itertools.accumulate(lengths)
     return EncodedBatch(
         [

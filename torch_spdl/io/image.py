@@ -133,7 +133,7 @@ def byte_tensor(data: ImageData) -> torch.Tensor:
 def _starts_with(encoded: torch.Tensor, magic: bytes) -> bool:
     """Whether the bytes begin with ``magic``, read through NumPy: a torch slice would be a
     tensor of its own, and freeing a tensor lets the GIL go (torch releases it around the
-    destructor), which beside a thread that holds the GIL is a hand-off per call."""
+    destructor), which beside a thread that holds the GIL can be a hand-off."""
     return encoded.numpy()[: len(magic)].tobytes() == magic
 
 
