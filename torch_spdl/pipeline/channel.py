@@ -60,12 +60,19 @@ class Channel(Generic[T]):
     It is ``queue.Queue`` with two additions the engine needs: every wait ends with
     :class:`Stopped` when the stop signal is set, and end of stream is a state (``close`` once per
     producer) rather than a sentinel item that each of N consumers would have to pass on.
+
+    A producer that waits for room is woken once the channel has drained to its low-water mark
+    (a quarter of the capacity below full), not at every item taken: it then refills the channel
+    in a burst. Woken at every item, a fast producer (a file read) beside a slow consumer (a
+    decode) would sleep and wake once per item, and each wake is a GIL hand-off between threads.
+    The consumer has the items above the mark meanwhile, so it never waits for that.
     """
 
     def __init__(self, capacity: int, stop: StopSignal, producers: int = 1) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self._capacity = capacity
+        self._low = capacity - max(1, capacity // 4)  # waiting producers are woken at or below it
         self._items: deque[T] = deque()
         self._producers = producers
         self._stop = stop
@@ -122,7 +129,8 @@ class Channel(Generic[T]):
             if self._stop.is_set():
                 raise Stopped
             item = self._items.popleft()
-            self._not_full.notify()
+            if len(self._items) <= self._low:
+                self._not_full.notify()
             return item
 
     def close(self) -> None:

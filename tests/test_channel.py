@@ -1,0 +1,94 @@
+"""The engine's channel: when a producer that waits for room is woken, and that it always is."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from torch_spdl.pipeline.channel import Channel, Closed, Stopped, StopSignal
+
+
+class CountedNotify:
+    """Stands in for a condition's ``notify`` and counts the calls, passing each on."""
+
+    def __init__(self, notify):
+        self.notify = notify
+        self.calls = 0
+
+    def __call__(self, n: int = 1) -> None:
+        self.calls += 1
+        self.notify(n)
+
+
+def full_channel(capacity: int) -> tuple[Channel, CountedNotify]:
+    channel: Channel[int] = Channel(capacity, StopSignal())
+    for item in range(capacity):
+        channel.put(item)
+    counted = CountedNotify(channel._not_full.notify)
+    channel._not_full.notify = counted
+    return channel, counted
+
+
+def test_a_waiting_producer_is_woken_at_the_low_water_mark_not_at_every_item_taken():
+    channel, notified = full_channel(16)  # the mark: a quarter below full, 12 items
+    for expected in range(4):
+        assert channel.get() == expected
+    assert len(channel) == 12 and notified.calls == 1  # the fourth get reached the mark
+    for _ in range(3):
+        channel.get()
+    assert notified.calls == 4  # below the mark, every item taken wakes a producer
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_a_small_channel_wakes_a_producer_at_every_item_taken(capacity):
+    channel, notified = full_channel(capacity)
+    for expected in range(capacity):
+        assert channel.get() == expected
+    assert notified.calls == capacity
+
+
+@pytest.mark.parametrize("producers", [1, 4])
+def test_producers_that_wait_for_room_deliver_every_item_once_in_their_order(producers):
+    """Producers far faster than their consumer wait at every turn; none is left asleep."""
+    channel: Channel[tuple[int, int]] = Channel(8, StopSignal(), producers=producers)
+
+    def produce(worker: int) -> None:
+        for item in range(500):
+            channel.put((worker, item))
+        channel.close()
+
+    threads = [threading.Thread(target=produce, args=(w,)) for w in range(producers)]
+    for thread in threads:
+        thread.start()
+    received: list[tuple[int, int]] = []
+    with pytest.raises(Closed):  # once every producer is done and the channel is empty
+        while True:
+            received.append(channel.get(timeout=30))
+    for thread in threads:
+        thread.join()
+    assert sorted(received) == [(w, i) for w in range(producers) for i in range(500)]
+    for worker in range(producers):
+        assert [i for w, i in received if w == worker] == list(range(500))
+
+
+def test_the_stop_signal_wakes_a_producer_waiting_above_the_mark():
+    stop = StopSignal()
+    channel: Channel[int] = Channel(8, stop)
+    for item in range(8):
+        channel.put(item)
+    channel.get()  # 7 left: above the mark, so this wakes no producer
+    channel.put(8)  # full again
+    outcome: list[BaseException] = []
+    waiting = threading.Thread(target=lambda: _put_and_record(channel, 9, outcome))
+    waiting.start()
+    stop.set()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Stopped)
+
+
+def _put_and_record(channel: Channel, item: int, outcome: list[BaseException]) -> None:
+    try:
+        channel.put(item)
+    except Stopped as stopped:
+        outcome.append(stopped)
