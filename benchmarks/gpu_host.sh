@@ -16,8 +16,11 @@
 #                    as a training job's long epochs have it, without each short pass's start
 #   4. bench_A       workload A at 1, 8 and 16 workers: threads against torch's processes, and
 #                    the GPU-decode variant (issue 18's loader-alone target)
-#   5. pass_probe    each pass's worker-process costs against torch's, and the GPU decode's
-#                    slow batches with the transfer thread's stacks
+#   5. gpu_budget    where the GPU decode path loses to the model alone: the GPU's kernel time
+#                    of a step and of a batch's decode and crops, and the model with the decode
+#                    issued from its own thread and from a second one (benchmarks/gpu_budget.py;
+#                    gpu_pass_probe.py, which found the first-batch and fork-server costs that
+#                    are fixed now, runs by hand)
 #   6. gpu_transfer  the transfer stage's bandwidth and a ResNet-50 step's data stall
 #   7. server_start  what a fork server's start is made of: a fresh interpreter importing torch,
 #                    torchvision and torch_spdl's worker module, then a fork server preloading
@@ -79,7 +82,7 @@ step train_e2e_persistent 110 $PY benchmarks/train_e2e.py --images "$IMAGES" --r
     --loaders torch,torch_spdl,torch_spdl:gpu-decode --stats
 step bench_A 80 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
     --batches 8 --no-analysis --out /tmp/gpu_host_bench
-step pass_probe 50 $PY benchmarks/gpu_pass_probe.py ab
+step gpu_budget 50 $PY benchmarks/gpu_budget.py --images "$IMAGES" --steps 20
 step gpu_transfer 45 $PY benchmarks/gpu_transfer.py --rounds 1 --steps 30
 step server_start 25 $PY -c "import multiprocessing, subprocess, sys, time
 wanted = ['torch', 'torchvision', 'torch_spdl.processes']
