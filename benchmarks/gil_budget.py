@@ -13,6 +13,10 @@ made and freed cost the step. That cost, against the share of a step a loader ma
 training loop, says how many tensors a batch may make in the main process: for 97 % of a
 launch-bound model's speed, 3 % of its step.
 
+A second table times freeing a batch that came through shared memory (torch's
+``share_memory_()``, as batches from worker processes do, torch's included), and how much of
+that time a Python thread beside it got the GIL: the rest the free held it.
+
 Usage: ``python benchmarks/gil_budget.py [--step-ms MS] [--steps N] [--rounds R]``.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 
@@ -80,6 +85,34 @@ def steps(step: training.Step, count: int | None, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def shared_free(megabytes: float, repeats: int = 7) -> tuple[float, float]:
+    """Median ms to free a shared-memory tensor of ``megabytes``, and the ms of it that a
+    spinning Python thread beside it ran (it runs only while it holds the GIL)."""
+    spins, stopped = [0], threading.Event()
+
+    def spin() -> None:
+        while not stopped.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin, name="spinner")
+    spinner.start()
+    try:
+        began, first = time.perf_counter(), spins[0]
+        time.sleep(0.1)
+        per_ms = (spins[0] - first) / (time.perf_counter() - began) / 1e3
+        took, ran = [], []
+        for _ in range(repeats):
+            batch = torch.ones(int(megabytes * 1e6), dtype=torch.uint8).share_memory_()
+            first, began = spins[0], time.perf_counter()
+            del batch
+            took.append((time.perf_counter() - began) * 1e3)
+            ran.append((spins[0] - first) / per_ms)
+    finally:
+        stopped.set()
+        spinner.join()
+    return statistics.median(took), statistics.median(ran)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--step-ms", type=float, default=20.0)
@@ -102,6 +135,16 @@ def main() -> None:
         ms = statistics.median(times)
         per = "" if count == 0 else f"{(ms - base) / count * 1e3:.1f}"
         print(f"| {count} | {ms:.2f} | {ms / base:.3f} | {per} |")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # the spinner takes the GIL as soon as the free lets it go
+    try:
+        print("\n| a shared-memory batch freed (MB) | ms | of which another thread ran (ms) |")
+        print("|---:|---:|---:|")
+        for megabytes in (9.6, 38.5):  # 64 and 256 images of 3×224×224 bytes
+            took, ran = shared_free(megabytes)
+            print(f"| {megabytes} | {took:.2f} | {ran:.2f} |")
+    finally:
+        sys.setswitchinterval(interval)
 
 
 if __name__ == "__main__":
