@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -77,11 +78,15 @@ def test_the_stop_signal_wakes_a_producer_waiting_above_the_mark():
     channel: Channel[int] = Channel(8, stop)
     for item in range(8):
         channel.put(item)
-    channel.get()  # 7 left: above the mark, so this wakes no producer
-    channel.put(8)  # full again
     outcome: list[BaseException] = []
-    waiting = threading.Thread(target=lambda: _put_and_record(channel, 9, outcome))
+    waiting = threading.Thread(target=lambda: _put_and_record(channel, 8, outcome))
     waiting.start()
+    deadline = time.monotonic() + 30
+    while not channel._not_full._waiters and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the producer waits for room
+    assert channel._not_full._waiters, "the producer never waited"
+    channel.get()  # 7 left: above the mark, so this wakes no producer
+    assert waiting.is_alive() and len(channel) == 7
     stop.set()
     waiting.join(30)
     assert not waiting.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Stopped)
