@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 
 import torch
+from gil_handoffs import busy_thread
 
 from torch_spdl.bench import training
 
@@ -87,16 +87,9 @@ def steps(step: training.Step, count: int | None, n: int) -> float:
 
 def shared_free(megabytes: float, repeats: int = 7) -> tuple[float, float]:
     """Median ms to free a shared-memory tensor of ``megabytes``, and the ms of it that a
-    spinning Python thread beside it ran (it runs only while it holds the GIL)."""
-    spins, stopped = [0], threading.Event()
-
-    def spin() -> None:
-        while not stopped.is_set():
-            spins[0] += 1
-
-    spinner = threading.Thread(target=spin, name="spinner")
-    spinner.start()
-    try:
+    spinning Python thread beside it ran (it runs only while it holds the GIL; at a switch
+    interval of 0.5 ms it takes the GIL as soon as the free lets it go)."""
+    with busy_thread(0.0005) as spins:
         began, first = time.perf_counter(), spins[0]
         time.sleep(0.1)
         per_ms = (spins[0] - first) / (time.perf_counter() - began) / 1e3
@@ -107,9 +100,6 @@ def shared_free(megabytes: float, repeats: int = 7) -> tuple[float, float]:
             del batch
             took.append((time.perf_counter() - began) * 1e3)
             ran.append((spins[0] - first) / per_ms)
-    finally:
-        stopped.set()
-        spinner.join()
     return statistics.median(took), statistics.median(ran)
 
 
@@ -135,16 +125,11 @@ def main() -> None:
         ms = statistics.median(times)
         per = "" if count == 0 else f"{(ms - base) / count * 1e3:.1f}"
         print(f"| {count} | {ms:.2f} | {ms / base:.3f} | {per} |")
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # the spinner takes the GIL as soon as the free lets it go
-    try:
-        print("\n| a shared-memory batch freed (MB) | ms | of which another thread ran (ms) |")
-        print("|---:|---:|---:|")
-        for megabytes in (9.6, 38.5):  # 64 and 256 images of 3×224×224 bytes
-            took, ran = shared_free(megabytes)
-            print(f"| {megabytes} | {took:.2f} | {ran:.2f} |")
-    finally:
-        sys.setswitchinterval(interval)
+    print("\n| a shared-memory batch freed (MB) | ms | of which another thread ran (ms) |")
+    print("|---:|---:|---:|")
+    for megabytes in (9.6, 38.5):  # 64 and 256 images of 3×224×224 bytes
+        took, ran = shared_free(megabytes)
+        print(f"| {megabytes} | {took:.2f} | {ran:.2f} |")
 
 
 if __name__ == "__main__":

@@ -40,21 +40,23 @@ PARTS = 256
 
 
 @contextmanager
-def busy_thread(interval: float) -> Iterator[None]:
+def busy_thread(interval: float) -> Iterator[list[int]]:
     """A thread that runs Python without a break (a training loop at its worst), with the
-    switch interval set to ``interval`` for the duration."""
+    switch interval set to ``interval`` for the duration. It yields the thread's count of its
+    turns round the loop: it counts only while it holds the GIL."""
     stop = threading.Event()
     old = sys.getswitchinterval()
+    spins = [0]
 
     def spin() -> None:
         while not stop.is_set():
-            pass
+            spins[0] += 1
 
     sys.setswitchinterval(interval)
     thread = threading.Thread(target=spin, name="busy")
     thread.start()
     try:
-        yield
+        yield spins
     finally:
         stop.set()
         thread.join()
