@@ -35,25 +35,10 @@ import time
 from collections.abc import Callable
 
 import torch
-import torchvision
-from gpu_decode_steps import synchronize
+from gpu_decode_steps import encoded_batches, synchronize
 from train_e2e import Trainer
 
-import torch_spdl
-from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
-from torch_spdl.bench.images import FastImages, collate
-from torch_spdl.io import EncodedBatch, RandomResizedCrop
-
-
-def encoded_batches(args: argparse.Namespace, device: torch.device) -> list[EncodedBatch]:
-    """Batches of encoded JPEGs with their crops drawn, made by a CPU loader, kept in memory."""
-    root = synthetic_imagefolder(ImageSpec(images=args.images))
-    folder = torchvision.datasets.ImageFolder(str(root))
-    dataset = FastImages(folder.samples, RandomResizedCrop(224, decode_on=device.type))
-    loader = torch_spdl.DataLoader(
-        dataset, batch_size=args.batch_size, collate_fn=collate, num_workers=4, drop_last=True
-    )
-    return [images for images, _ in loader]
+from torch_spdl.io import EncodedBatch
 
 
 def kernel_ms(fn: Callable[[], object], calls: int) -> float:
@@ -180,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         args.batch_size, args.steps = min(args.batch_size, 16), min(args.steps, 3)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    batches = encoded_batches(args, device)
+    batches = encoded_batches(args.images, args.batch_size, device)
     trainer = Trainer(device, args.batch_size)
     alone, step_gpu_ms = model_alone(trainer, args.steps)
     step_ms = args.batch_size / alone * 1e3

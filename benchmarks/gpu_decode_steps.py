@@ -62,6 +62,27 @@ def halves(batch: EncodedBatch, device: torch.device) -> tuple[float, float]:
     return decode_s, crop_s
 
 
+def encoded_batches(
+    images: int, batch_size: int, device: torch.device, batches: int | None = None
+) -> list[EncodedBatch]:
+    """The first ``batches`` (all by default) shuffled batches of the bench's synthetic
+    ImageFolder of ``images`` JPEGs, still encoded, their crops drawn for ``device``: made by a
+    CPU loader, kept in memory."""
+    root = synthetic_imagefolder(ImageSpec(images=images))
+    folder = torchvision.datasets.ImageFolder(str(root))
+    dataset = FastImages(folder.samples, RandomResizedCrop(224, decode_on=device.type))
+    loader = torch_spdl.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=4,
+        shuffle=True,
+        drop_last=True,
+    )
+    wanted = len(loader) if batches is None else batches
+    return [batch for _, (batch, _) in zip(range(wanted), loader, strict=False)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=4096)
@@ -70,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()  # without one, the CPU stand-in: a dry run of the script
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    root = synthetic_imagefolder(ImageSpec(images=args.images))
-    folder = torchvision.datasets.ImageFolder(str(root))
-    dataset = FastImages(folder.samples, RandomResizedCrop(224, decode_on=device.type))
-    loader = torch_spdl.DataLoader(
-        dataset, batch_size=args.batch_size, collate_fn=collate, num_workers=4, shuffle=True
-    )
-    batches = [images for _, (images, _) in zip(range(args.batches), loader, strict=False)]
+    batches = encoded_batches(args.images, args.batch_size, device, args.batches)
     single = EncodedBatch(batches[0].images[:1])
     rows = []
     for condition in ("first", "again", "new stream", "after 1"):
