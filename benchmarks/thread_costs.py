@@ -22,9 +22,9 @@ import re
 import threading
 import time
 
+from io_threads import fast_path_loader
 from torchvision import datasets
 
-import torch_spdl
 from torch_spdl.bench import images
 from torch_spdl.bench.data import synthetic_imagefolder
 
@@ -52,16 +52,7 @@ def snapshot() -> dict[int, tuple[str, float, int, int]]:
 
 
 def one_run(dataset: images.FastImages, workers: int, io_workers: int) -> None:
-    loader = torch_spdl.DataLoader(
-        dataset,
-        batch_size=64,
-        shuffle=True,
-        num_workers=workers,
-        io_workers=io_workers,
-        collate_fn=images.collate,
-        worker_method="thread",
-    )
-    for seen, _ in enumerate(loader, start=1):
+    for seen, _ in enumerate(fast_path_loader(dataset, workers, io_workers), start=1):
         if seen == WARMUP:
             before, began, cpu = snapshot(), time.perf_counter(), time.process_time()
         if seen == WARMUP + MEASURED:
