@@ -7,6 +7,7 @@ import io
 import logging
 import pickle
 import random
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -570,6 +571,26 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
             sent.device,
         )
     assert torch.equal(received.decode(), encoded.decode())
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_the_transfer_stage_gives_back_a_received_batchs_bytes_once_decoded():
+    """A batch that came from a worker process: the transfer stage's decode equals the batch's
+    own, and then the shared-memory bytes, which nothing else reads, are given back (zeros on
+    Linux, torch_spdl.shared_pages). A batch made here keeps its bytes."""
+    torch.manual_seed(0)
+    local = collate_images(
+        [RandomResizedCrop(48, decode_on="cpu")(d) for d in varied_images() * 12]
+    )
+    received = pickle.loads(messages.dumps(local))
+    expected = received.decode()
+    assert torch.equal(received.finish_on(torch.device("cpu")), expected)
+    packed = received.images[0].data.untyped_storage()
+    assert packed.nbytes() > messages.INLINE_BYTES
+    if sys.platform.startswith("linux"):
+        assert not any(packed.tolist())
+    assert torch.equal(local.finish_on(torch.device("cpu")), expected)
+    assert all(image.data.count_nonzero() > 0 for image in local.images)
 
 
 @pytest.mark.usefixtures("no_leak")

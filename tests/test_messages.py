@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import sys
 
 import pytest
 import torch
@@ -58,3 +59,52 @@ def test_a_job_only_a_starting_process_may_pickle_is_left_to_it():
     not packed, and each worker's start pickles it, as without packing."""
     job = {"lock": multiprocessing.get_context("spawn").Lock()}
     assert messages.pack(job) is job
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_a_large_message_gives_its_segment_back_once_read(monkeypatch: pytest.MonkeyPatch):
+    """The segment a large message crossed in is released once unpickled (without the GIL,
+    torch_spdl.shared_pages), and what was sent arrives whole."""
+    released: list[torch.Tensor] = []
+    release = messages.shared_pages.release
+    monkeypatch.setattr(
+        messages.shared_pages, "release", lambda t: released.append(t) or release(t)
+    )
+    sent = many_small(2 * messages.LARGE_MESSAGE // 4096)
+    received = pickle.loads(messages.dumps(sent))
+    assert all(torch.equal(a, b) for a, b in zip(received, sent, strict=True))
+    assert len(released) == 1 and released[0].nbytes > messages.LARGE_MESSAGE
+    if sys.platform.startswith("linux"):
+        assert released[0].count_nonzero() == 0  # its pages are gone
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_a_large_batch_crosses_in_a_segment_of_its_own():
+    """A collated batch is copied into a segment made for its message: the sender's tensor stays
+    private (a worker's cache that holds it never reads memory the main process gave back), and
+    the received one is marked as the message's own, equal to what was sent."""
+    batch = torch.arange(3 * messages.INLINE_BYTES, dtype=torch.int32).view(3, -1)
+    received = pickle.loads(messages.dumps({"images": batch}))["images"]
+    assert not batch.is_shared()
+    assert received.is_shared() and torch.equal(received, batch)
+    assert getattr(received, messages._OWN_SEGMENT)
+    view = torch.arange(4 * messages.INLINE_BYTES, dtype=torch.uint8)[: 2 * messages.INLINE_BYTES]
+    sent_view = pickle.loads(messages.dumps(view))
+    assert torch.equal(sent_view, view) and not hasattr(sent_view, messages._OWN_SEGMENT)
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch():
+    """After pinning (a copy here, as ``pin_memory`` makes one), the segments a batch arrived in
+    are given back; a tensor the pinned batch still holds as it is, and a shared tensor that did
+    not arrive in a segment of its own, keep their data."""
+    big = 2 * messages.INLINE_BYTES
+    sent = {"a": torch.ones(big, dtype=torch.uint8), "b": torch.full((big,), 2, dtype=torch.uint8)}
+    received = pickle.loads(messages.dumps(sent))
+    received["c"] = torch.full((big,), 3, dtype=torch.uint8).share_memory_()  # not ours
+    pinned = {"a": received["a"].clone(), "b": received["b"], "c": received["c"].clone()}
+    messages.release_received(received, pinned)
+    assert torch.equal(pinned["a"], sent["a"]) and torch.equal(pinned["b"], sent["b"])
+    assert bool((received["c"] == 3).all())
+    if sys.platform.startswith("linux"):
+        assert received["a"].count_nonzero() == 0  # given back

@@ -390,6 +390,46 @@ def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
     assert all(batch.is_shared() for batch in batches)
 
 
+class Cached(Dataset):
+    """Returns the same large tensor each time it is asked for an index: a cache the worker
+    fills (made in the worker, not sent to it, so not in shared memory already)."""
+
+    def __init__(self):
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        if index not in self.cache:
+            self.cache[index] = torch.full((2 * messages.INLINE_BYTES,), index + 1).byte()
+        return self.cache[index]
+
+
+def test_pinned_batches_give_their_shared_memory_back_and_a_workers_cache_stays_whole(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Once a received batch is pinned (a copy stands in for ``pin_memory`` on a machine without
+    an accelerator), the segments it came in are given back (torch_spdl.shared_pages). A worker
+    that sends the same cached tensor in every epoch still sends its data: the segment given
+    back was a copy made for the message, not the cache itself."""
+    released: list[torch.Tensor] = []
+    release = messages.shared_pages.release
+    monkeypatch.setattr(
+        messages.shared_pages, "release", lambda t: released.append(t) or release(t)
+    )
+    monkeypatch.setattr(
+        "torch_spdl.iterator._ThreadDataLoaderIter._pinner", lambda self: torch.clone
+    )
+    loader = ours(Cached(), batch_size=None, num_workers=1, persistent_workers=True)
+    for _ in range(EPOCHS):
+        got = list(loader)
+        assert [int(batch.unique().item()) for batch in got] == [1, 2, 3]
+        assert all(not batch.is_shared() for batch in got)
+    assert len(released) == EPOCHS * len(Cached())
+    del loader
+
+
 def test_a_batch_of_many_small_tensors_equals_torchs():
     """A batch of many small tensors, each sent by value, makes a message over
     ``LARGE_MESSAGE``, which crosses in shared memory (tests/test_messages.py): the batches

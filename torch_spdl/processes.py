@@ -67,7 +67,7 @@ from .compat import (
 from .copies import CopyTask
 from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
-from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack
+from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
 from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
@@ -505,7 +505,12 @@ class ProcessPool:
         raise worker.died()
 
     def _pin(self, data: Any) -> Any:
-        return data if self._pin_batch is None else self._pin_batch(data)
+        """``data`` pinned, if asked; the shared memory it came in is given back then."""
+        if self._pin_batch is None:
+            return data
+        pinned = self._pin_batch(data)
+        release_received(data, pinned)
+        return pinned
 
     # -- stage functions ------------------------------------------------------------------------
     def fetch(

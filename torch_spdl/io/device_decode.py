@@ -45,6 +45,7 @@ import torch
 from torchvision.io import ImageReadMode
 from torchvision.ops import roi_align
 
+from .. import shared_pages
 from ..transfer import FinishedOnDevice
 from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
 
@@ -83,6 +84,7 @@ class EncodedBatch(FinishedOnDevice):
                 )
         self.images = list(images)
         self.size, self.mode, self.device = first.size, first.mode, first.device
+        self._packed: torch.Tensor | None = None  # the bytes as they arrived from a worker
 
     def __len__(self) -> int:
         return len(self.images)
@@ -98,8 +100,14 @@ class EncodedBatch(FinishedOnDevice):
         return crop_batch(decoded, boxes, self.size, flips)
 
     def finish_on(self, device: torch.device) -> torch.Tensor:
-        """The transfer stage's call: the batch decoded on its device."""
-        return self.decode(device)
+        """The transfer stage's call: the batch decoded on its device. The bytes a worker process
+        sent are read by then (the decoders return once done with them) and nothing else holds
+        them: their shared-memory pages are given back here without the GIL, rather than by
+        the deallocation, which holds it (:mod:`torch_spdl.shared_pages`)."""
+        decoded = self.decode(device)
+        if self._packed is not None:
+            shared_pages.release(self._packed)
+        return decoded
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as one tensor of every image's bytes, which a worker process sends in shared
@@ -126,12 +134,14 @@ def _unpacked(
     the training loop, and making and freeing a tensor can let the GIL go; a split's views
     cost more such hand-offs than slices (docs/performance.md, "Tensors made and freed")."""
     ends = itertools.accumulate(lengths)
-    return EncodedBatch(
+    batch = EncodedBatch(
         [
             EncodedImage(packed[end - length : end], box, flip, size, mode, device)
             for end, length, (box, flip) in zip(ends, lengths, draws, strict=True)
         ]
     )
+    batch._packed = packed  # made by __reduce__ for this message alone: finish_on may free it
+    return batch
 
 
 def decode_all(encoded: list[torch.Tensor], mode: Mode, device: torch.device) -> list[torch.Tensor]:
