@@ -23,7 +23,7 @@ Usage::
     python benchmarks/train_e2e.py [--data DIR] [--workers 15] [--batch-size 256]
                                    [--steps 60] [--warmup 10] [--rounds 3]
                                    [--loaders torch,torch_spdl,torch_spdl:process] [--stats]
-                                   [--persistent]
+                                   [--persistent] [--repeat K]
 
 Loaders: ``torch``; ``torch_spdl`` (the import swapped) and ``torch_spdl:<worker_method>``;
 ``torch_spdl:fast`` (workload A's hooks with :class:`torch_spdl.io.RandomResizedCrop`, native
@@ -253,6 +253,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "pass's start (a small data set's passes are mostly start)",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="list the images this many times: longer passes from the same files, so that the "
+        "timed steps can fall inside one pass, as most of a real epoch's do",
+    )
+    parser.add_argument(
         "--stats", action="store_true", help="print each torch_spdl loader's stats() at its end"
     )
     args = parser.parse_args(argv)
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     folder = torchvision.datasets.ImageFolder(str(root), transform=transform)
+    folder.samples = folder.imgs = folder.samples * args.repeat
+    folder.targets = [target for _, target in folder.samples]
     trainer = Trainer(device, args.batch_size)
     names = [n.strip() for n in args.loaders.split(",") if n.strip()]
     make = {name: (lambda name=name: loader_batches(name, folder, args, device)) for name in names}
