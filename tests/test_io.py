@@ -555,7 +555,7 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     data = varied_images() * 12  # over INLINE_BYTES together: smaller, they go by value
     encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
     assert sum(len(image.data) for image in encoded.images) > messages.INLINE_BYTES
-    message = messages.dumps(encoded)
+    message = messages.dumps(encoded, reply=True)
     assert len(message) < 4096  # the bytes are not in the message
     received = pickle.loads(message)
     assert isinstance(received, EncodedBatch) and len(received) == len(encoded)
@@ -582,7 +582,7 @@ def test_the_transfer_stage_gives_back_a_received_batchs_bytes_once_decoded():
     local = collate_images(
         [RandomResizedCrop(48, decode_on="cpu")(d) for d in varied_images() * 12]
     )
-    received = pickle.loads(messages.dumps(local))
+    received = pickle.loads(messages.dumps(local, reply=True))
     expected = received.decode()
     assert torch.equal(received.finish_on(torch.device("cpu")), expected)
     packed = received.images[0].data.untyped_storage()

@@ -84,13 +84,16 @@ def test_a_large_batch_crosses_in_a_segment_of_its_own():
     private (a worker's cache that holds it never reads memory the main process gave back), and
     the received one is marked as the message's own, equal to what was sent."""
     batch = torch.arange(3 * messages.INLINE_BYTES, dtype=torch.int32).view(3, -1)
-    received = pickle.loads(messages.dumps({"images": batch}))["images"]
+    received = pickle.loads(messages.dumps({"images": batch}, reply=True))["images"]
     assert not batch.is_shared()
     assert received.is_shared() and torch.equal(received, batch)
     assert getattr(received, messages._OWN_SEGMENT)
     view = torch.arange(4 * messages.INLINE_BYTES, dtype=torch.uint8)[: 2 * messages.INLINE_BYTES]
-    sent_view = pickle.loads(messages.dumps(view))
+    sent_view = pickle.loads(messages.dumps(view, reply=True))
     assert torch.equal(sent_view, view) and not hasattr(sent_view, messages._OWN_SEGMENT)
+    request = torch.ones(2 * messages.INLINE_BYTES, dtype=torch.uint8)  # main → worker
+    sent_request = pickle.loads(messages.dumps(request))
+    assert request.is_shared() and not hasattr(sent_request, messages._OWN_SEGMENT)
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
@@ -100,7 +103,7 @@ def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch():
     not arrive in a segment of its own, keep their data."""
     big = 2 * messages.INLINE_BYTES
     sent = {"a": torch.ones(big, dtype=torch.uint8), "b": torch.full((big,), 2, dtype=torch.uint8)}
-    received = pickle.loads(messages.dumps(sent))
+    received = pickle.loads(messages.dumps(sent, reply=True))
     received["c"] = torch.full((big,), 3, dtype=torch.uint8).share_memory_()  # not ours
     pinned = {"a": received["a"].clone(), "b": received["b"], "c": received["c"].clone()}
     messages.release_received(received, pinned)

@@ -112,14 +112,19 @@ def _rebuild_inline(
 
 class _Pickler(ForkingPickler):
     """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`), in
-    their own memory layout: a channels-last image stays channels-last."""
+    their own memory layout: a channels-last image stays channels-last; and, in a worker's
+    reply (``own_segments``), large ones in segments of their own (:func:`_own_segment`)."""
+
+    def __init__(self, file: io.BytesIO, own_segments: bool) -> None:
+        super().__init__(file)
+        self.own_segments = own_segments
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         order = _inline(obj)
         if order is None:
-            fresh = _own_segment(obj)
+            fresh = _own_segment(obj) if self.own_segments else None
             return NotImplemented if fresh is None else (_received, (fresh,))
         data = obj.detach().permute(order).reshape(-1).view(torch.uint8).numpy()
         return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
@@ -135,12 +140,16 @@ value) took seconds to read where the same reader alone took milliseconds. A mes
 memory is read in one go."""
 
 
-def dumps(obj: Any) -> memoryview:
+def dumps(obj: Any, *, reply: bool = False) -> memoryview:
     """Pickle a message: large tensors into shared memory (torch's reductions), small ones by
     value, and the whole message into shared memory where it is large (:data:`LARGE_MESSAGE`).
-    ``Connection.recv`` reads it back, as for ``Connection.send``."""
+    ``Connection.recv`` reads it back, as for ``Connection.send``.
+
+    A worker's ``reply`` copies its large tensors into segments of their own, which the main
+    process gives back once it has pinned them (:func:`release_received`); the main process's
+    requests need not pay for the copy: a worker pins nothing."""
     buffer = io.BytesIO()
-    _Pickler(buffer).dump(obj)
+    _Pickler(buffer, own_segments=reply).dump(obj)
     if buffer.tell() <= LARGE_MESSAGE:
         return buffer.getbuffer()
     return _in_shared_memory(buffer.getbuffer())

@@ -132,7 +132,7 @@ def _worker_main(
         set_thread_name("pt_data_worker")
         _write_stack_on_request(stack_pipe)
         status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
-        conn.send_bytes(dumps((status, payload)))
+        conn.send_bytes(dumps((status, payload), reply=True))
         if status == READY:
             _serve(job, worker, conn)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
@@ -193,10 +193,10 @@ def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) ->
     """Send ``reply``; if it cannot be pickled (pickling happens before anything is written), send
     that error instead, so the item fails rather than the loader hanging."""
     try:
-        message = dumps(reply)
+        message = dumps(reply, reply=True)
     except Exception:
         where = f"in sending a result of stage {stage!r} from worker process {worker}"
-        message = dumps((ERROR, ExceptionWrapper(where=where)))
+        message = dumps((ERROR, ExceptionWrapper(where=where)), reply=True)
     conn.send_bytes(message)
 
 
