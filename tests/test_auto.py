@@ -445,8 +445,10 @@ def indices_of(loader) -> tuple[list[list[int]], set[int]]:
 
 
 def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch, no_child_left):
-    dataset = PythonSamples(3000, 20_000)
-    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
+    """The pass is long enough that the workers, started mid-pass, serve some of it even where
+    starting them is slow (a loaded machine: 3,000 samples once ended before they were up)."""
+    dataset = PythonSamples(6000, 20_000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8, num_workers=2))
     loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2)
     assert loader.worker_method == "auto"
     got, pids = indices_of(loader)
