@@ -70,7 +70,7 @@ def _own_segment(tensor: torch.Tensor) -> torch.Tensor | None:
     torch's ``share_memory_()`` copies a tensor into a new segment too, but then swaps the
     tensor itself onto it: whatever else in the worker holds the tensor (a dataset's cache)
     would read the segment the main process is done with. Copied, the segment is the message's
-    alone, and :func:`release_received` may give its pages back."""
+    alone, and :func:`release_own` may give its pages back."""
     if not _plain(tensor) or tensor.is_shared() or _dense_order(tensor) is None:
         return None
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
@@ -83,20 +83,19 @@ def _received(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def release_received(data: Any, kept: Any) -> None:
-    """Give back, without the GIL, the pages of the tensors in ``data`` that arrived in segments
-    of their own (:func:`_own_segment`), now that ``kept`` (``data`` pinned) holds copies: those
-    in ``kept`` too (pinning leaves some objects as they are) stay. Freed by their deallocation,
+def release_own(tensor: torch.Tensor) -> bool:
+    """Give back, without the GIL, the pages of ``tensor`` if it arrived in a segment of its own
+    (:func:`_own_segment`), once nothing reads it; whether it did. Freed by their deallocation,
     the pages would hold the GIL for ~0.18 ms a MB (:mod:`torch_spdl.shared_pages`)."""
+    return getattr(tensor, _OWN_SEGMENT, False) and shared_pages.release(tensor)
+
+
+def release_received(data: Any, kept: Any) -> None:
+    """:func:`release_own` for the tensors of ``data``, now that ``kept`` (``data`` pinned) holds
+    copies: those in ``kept`` too (pinning leaves some objects as they are) stay."""
     holding: set[int] = set()
     map_tensors(kept, lambda t: holding.add(t.untyped_storage().data_ptr()))
-
-    def release(tensor: torch.Tensor) -> None:
-        own = getattr(tensor, _OWN_SEGMENT, False)
-        if own and tensor.untyped_storage().data_ptr() not in holding:
-            shared_pages.release(tensor)
-
-    map_tensors(data, release)
+    map_tensors(data, lambda t: t.untyped_storage().data_ptr() in holding or release_own(t))
 
 
 def _rebuild_inline(

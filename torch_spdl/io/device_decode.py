@@ -45,7 +45,7 @@ import torch
 from torchvision.io import ImageReadMode
 from torchvision.ops import roi_align
 
-from .. import shared_pages
+from .. import messages
 from ..transfer import FinishedOnDevice
 from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
 
@@ -101,12 +101,13 @@ class EncodedBatch(FinishedOnDevice):
 
     def finish_on(self, device: torch.device) -> torch.Tensor:
         """The transfer stage's call: the batch decoded on its device. The bytes a worker process
-        sent are read by then (the decoders return once done with them) and nothing else holds
-        them: their shared-memory pages are given back here without the GIL, rather than by
-        the deallocation, which holds it (:mod:`torch_spdl.shared_pages`)."""
+        sent in a segment of their own (a worker's reply) are read by then (the decoders return
+        once done with them) and nothing else holds them: their pages are given back here
+        without the GIL, rather than by the deallocation, which holds it
+        (:func:`torch_spdl.messages.release_own`)."""
         decoded = self.decode(device)
         if self._packed is not None:
-            shared_pages.release(self._packed)
+            messages.release_own(self._packed)
         return decoded
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -140,7 +141,7 @@ def _unpacked(
             for end, length, (box, flip) in zip(ends, lengths, draws, strict=True)
         ]
     )
-    batch._packed = packed  # made by __reduce__ for this message alone: finish_on may free it
+    batch._packed = packed  # finish_on gives it back if it came in a segment of its own
     return batch
 
 
