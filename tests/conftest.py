@@ -74,6 +74,18 @@ def no_child_left(no_leak):
 
 
 @pytest.fixture
+def released(monkeypatch):
+    """The tensors ``torch_spdl.shared_pages.release`` is asked to give back, in order; each is
+    still given back."""
+    from torch_spdl import shared_pages
+
+    calls: list = []
+    release = shared_pages.release
+    monkeypatch.setattr(shared_pages, "release", lambda t: calls.append(t) or release(t))
+    return calls
+
+
+@pytest.fixture
 def quick_switch(monkeypatch, request):
     """A fork server already up (a fresh one imports torch, seconds on this machine), and a
     short pass worth a switch, so that the switch happens within a test's time."""

@@ -62,14 +62,9 @@ def test_a_job_only_a_starting_process_may_pickle_is_left_to_it():
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
-def test_a_large_message_gives_its_segment_back_once_read(monkeypatch: pytest.MonkeyPatch):
+def test_a_large_message_gives_its_segment_back_once_read(released: list[torch.Tensor]):
     """The segment a large message crossed in is released once unpickled (without the GIL,
     torch_spdl.shared_pages), and what was sent arrives whole."""
-    released: list[torch.Tensor] = []
-    release = messages.shared_pages.release
-    monkeypatch.setattr(
-        messages.shared_pages, "release", lambda t: released.append(t) or release(t)
-    )
     sent = many_small(2 * messages.LARGE_MESSAGE // 4096)
     received = pickle.loads(messages.dumps(sent))
     assert all(torch.equal(a, b) for a, b in zip(received, sent, strict=True))
