@@ -45,6 +45,7 @@ from torch_spdl import (
     processes,
     start_method,
 )
+from torch_spdl.copies import CopyTask
 from torch_spdl.hooks import WholeSamples, resolve_hooks
 
 N = 23  # prime: no batch size divides it
@@ -1243,3 +1244,41 @@ def test_the_settings_a_worker_is_given_survive_pickling_and_take_effect():
         got = [(f[0], f[2], getattr(f[3], "pattern", f[3])) for f in warnings.filters]
         assert got == want
         assert warnings.filters[1][1].pattern == "first"
+
+
+class Offset(Dataset):
+    """Items shifted by a state of its own, so a batch shows which state its copy loaded."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return index + self.offset
+
+    def state_dict(self) -> dict:
+        return {"offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.offset = state["offset"]
+
+
+def test_a_copys_batch_sent_before_its_threads_start_waits_for_the_process_to_be_set_up():
+    """Batch i runs on process i % 2 from whichever thread is free, so a resumed pass's first
+    batch may reach process 1 before the thread bound to it has waited for it to start. The
+    process's word that it is set up is then still in the pipe: it is not taken for a reply."""
+    job = jobs.FetchJob(Offset(), True, torch.utils.data.default_collate, records=True)
+    pool = processes.ProcessPool(job, 2, base_seed=0)
+    try:
+        pool.start(0)  # this thread drives process 0; nobody has waited for process 1
+        states: list[dict] = []
+        task = CopyTask([3], number=3, copy=1, start={"offset": 100})
+        batch = pool.fetch_on(task, states.append)
+        assert batch.tolist() == [103]
+        assert states == [{"offset": 100}]
+        pool.start(1)  # the bound thread's wait finds the process set up and nothing left over
+        assert pool.fetch_on(CopyTask([4], number=5, copy=1), states.append).tolist() == [104]
+    finally:
+        pool.close()

@@ -480,6 +480,9 @@ class ProcessPool:
         worker = worker or self._current()
         with worker.lock:
             self._check_open()
+            # a copy's batch (:meth:`fetch_on`) may reach a process before the thread bound to
+            # it has waited for its start: its word that it is set up must not pass for a reply
+            self._await_ready(worker)
             try:
                 worker.conn.send_bytes(dumps(request))
             except (BrokenPipeError, ConnectionResetError):
