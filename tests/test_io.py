@@ -818,6 +818,29 @@ def test_a_gpu_decodes_the_batch_as_the_cpu_stand_in_does():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_batchs_crops_are_queued_on_the_gpu_without_waiting_for_it():
+    """The boxes, flips and sizes cross in pinned memory without blocking: a copy from pageable
+    memory would wait for the decode queued before it (CUDA's sync debug mode raises on one).
+    The crops are the CPU's within a level or two (float16 on the GPU)."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(20, 60, (8, 2), generator=generator).tolist()
+    images = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for h, w in sizes
+    ]
+    boxes, flips = [(2, 3, h - 4, w - 5) for h, w in sizes], [False, True] * 4
+    on_gpu = [image.cuda() for image in images]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cropped = device_decode.crop_batch(on_gpu, boxes, (16, 16), flips)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = device_decode.crop_batch(images, boxes, (16, 16), flips)
+    assert (cropped.cpu().float() - want.float()).abs().mean() < 2.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_jpeg_form_decodes_on_the_gpu_as_on_the_cpu():
     """All the forms a data set holds, in one batch on the GPU: those nvJPEG refuses (CMYK, say)
     go to the CPU fallback, and every image is the CPU stand-in's within a level or two."""

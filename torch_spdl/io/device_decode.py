@@ -209,15 +209,28 @@ def crop_batch(
     device = images[0].device
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     padded = padded_batch(images).to(dtype)
-    rois = torch.tensor(
-        [[n, left, top, left + w, top + h] for n, (top, left, h, w) in enumerate(boxes)],
-        dtype=dtype,
-        device=device,
-    )
+    rows = [
+        [n, left, top, left + w, top + h, flip]
+        for n, ((top, left, h, w), flip) in enumerate(zip(boxes, flips, strict=True))
+    ]
+    table = _to_device(rows, dtype, device)  # one copy for the boxes and the flips
+    rois, flip = table[:, :5], table[:, 5] != 0
     out = roi_align(padded, rois, size, spatial_scale=1.0, sampling_ratio=0, aligned=True)
-    flip = torch.tensor(flips, device=device)
     out = torch.where(flip[:, None, None, None], out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory without waiting.
+
+    A copy from pageable memory (``torch.tensor(..., device=...)``) waits for the work queued on
+    the transfer stream before it (the batch's decode and padding), so the transfer thread would
+    stall on the GPU in the middle of a batch. torch's pinned-memory allocator keeps the host
+    block until the copy has run."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def padded_batch(images: list[torch.Tensor]) -> torch.Tensor:
@@ -240,7 +253,7 @@ def padded_batch(images: list[torch.Tensor]) -> torch.Tensor:
         padded = torch.nested.as_nested_tensor(images).to_padded_tensor(0, output_size=shape)
     except (RuntimeError, NotImplementedError, AttributeError):
         return _padded_one_by_one(images, shape)
-    sizes = sizes.to(padded.device, non_blocking=True)
+    sizes = _to_device(sizes, sizes.dtype, padded.device)
     # each image's own last row and column where the batch's reach further
     rows = torch.minimum(torch.arange(height, device=padded.device), sizes[:, :1] - 1)
     cols = torch.minimum(torch.arange(width, device=padded.device), sizes[:, 1:] - 1)
