@@ -412,6 +412,32 @@ def test_workload_a_follows_the_host_and_its_analysis_can_be_skipped():
     assert not bench.configure(bench.parse_args(["--no-analysis"])).analysis
 
 
+def test_warmup_gives_a_and_d_an_untimed_first_pass_of_that_many_batches(tmp_path, monkeypatch):
+    """``--warmup``: A's loaders (not the plain loop, which starts nothing) and D's read that many
+    batches before the timed pass; A's default stays a first pass, D's 8 (quick 2)."""
+    from torch_spdl.bench import __main__ as bench
+
+    default, quick = (
+        bench.configure(bench.parse_args([])),
+        bench.configure(bench.parse_args(["--quick"])),
+    )
+    assert (default.a.warmup, default.d.warmup, quick.a.warmup, quick.d.warmup) == (0, 8, 0, 2)
+    given = bench.configure(bench.parse_args(["--warmup", "3"]))
+    assert (given.a.warmup, given.d.warmup) == (3, 3)
+    assert bench.configure(bench.parse_args(["--warmup", "0"])).d.warmup == 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warmup", "-1"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = data.synthetic_imagefolder(data.ImageSpec(images=64, seed=1), progress=lambda m: None)
+    options = series.ImageOptions(root=root, workers=(1,), batches=1, warmup=1)
+    with images.prepare(options) as variants:
+        assert {v.loader: v.warmup for v in variants}[series.PLAIN] == 0
+        assert {v.warmup for v in variants if v.loader != series.PLAIN} == {1}
+    longer = series.ImageOptions(root=root, workers=(1,), batches=1, warmup=2)
+    with pytest.raises(ValueError, match="2 batches of 64 need 128"), images.prepare(longer):
+        pass
+
+
 def test_only_the_images_workload_imports_torchvision():
     """B and C measure the memory of their processes: an unused torchvision (160 MB of PSS)
     would count on both sides of their ratios."""

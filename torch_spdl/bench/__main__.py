@@ -77,6 +77,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip workload A's per-stage view (CPU per step, thread scaling, CPU per thread)",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="batches of an untimed first pass of each loader of A and D, so that the timed one "
+        "is a later epoch (default A 0, D 8, quick 2): on a many-core host A's first pass is "
+        "mostly worker_method='auto''s trial and the start of its processes",
+    )
     parser.add_argument("--images", type=int, help="synthetic images for A (default 2048)")
     parser.add_argument("--strings", type=int, help="strings in C's dataset (default 2,000,000)")
     # set by orchestrate.py for the process that runs one workload, and for the report's
@@ -93,6 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be a positive integer, got {value}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be 0 or more, got {args.warmup}")
     args.workloads = wanted
     return args
 
@@ -114,7 +123,10 @@ def configure(args: argparse.Namespace) -> Config:
         images=pick(args.images, 2048, 256),
         out=args.out,
         a=series.ImageOptions(
-            root=None, workers=series.host_workers(), batches=pick(batches, 16, 2)
+            root=None,
+            workers=series.host_workers(),
+            batches=pick(batches, 16, 2),
+            warmup=args.warmup or 0,
         ),
         b=remote.Options(
             batches=pick(batches, 128, 8),
@@ -132,7 +144,7 @@ def configure(args: argparse.Namespace) -> Config:
             workers=series.host_workers(),
             batches=pick(batches, 16, 2),
             step_ms=5.0 if quick else 20.0,
-            warmup=pick(None, 8, 2),
+            warmup=pick(args.warmup, 8, 2),
         ),
         analysis=args.analysis,
     )

@@ -136,16 +136,27 @@ def prepare(options: ImageOptions) -> Iterator[list[Variant]]:
     """The variants of workload A over the ImageFolder at ``options.root``."""
     folder = datasets.ImageFolder(str(options.root), transform=classic_transform())
     fast = FastImages(folder.samples)
-    needed = BATCH * options.batches
+    most = max(options.batches, options.warmup)  # each pass reads from the set's start
+    needed = BATCH * most
     if len(folder) < needed:
         raise ValueError(
-            f"{options.root} holds {len(folder)} images; {options.batches} batches of {BATCH} "
-            f"need {needed} (use fewer --batches or more images)"
+            f"{options.root} holds {len(folder)} images; {most} batches of {BATCH} "
+            f"need {needed} (use fewer --batches or --warmup, or more images)"
         )
 
     def loader(name: str, workers: int, make: Any, **extra: Any) -> Variant:
         count = lambda batch: len(batch[1])  # batches are (images, labels)
-        return Variant("A", name, workers, make, options.batches, count, check_batch, **extra)
+        return Variant(
+            "A",
+            name,
+            workers,
+            make,
+            options.batches,
+            count,
+            check_batch,
+            warmup=options.warmup,
+            **extra,
+        )
 
     plain = Variant(
         "A",

@@ -30,6 +30,7 @@ class ImageOptions:
     root: Path | None  # set once the data is there (it may have to be generated first)
     workers: tuple[int, ...]
     batches: int
+    warmup: int = 0  # batches of an untimed first pass of each loader (see Variant.warmup)
 
 
 @dataclass(frozen=True)
