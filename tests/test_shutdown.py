@@ -11,8 +11,8 @@ import functools
 import gc
 import multiprocessing
 import signal
-import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -152,18 +152,6 @@ class InterruptsMain(Dataset):
         return index
 
 
-# A known race, not fixed yet: a KeyboardInterrupt raised in the consumer's thread just after it
-# acquired an engine lock (inside threading.Condition.__enter__, before the with-block begins)
-# leaves that lock held; close() then waits on it, or the stage threads do. With the GIL off the
-# interpreter handles the signal at many more points, and a loop of 60 interrupts hit it twice
-# (a thread left running, then a hang), so there the tests are skipped rather than left to hang
-# the suite; with the GIL on it has not been seen, and they run.
-INTERRUPT_RACE = pytest.mark.skipif(
-    not getattr(sys, "_is_gil_enabled", lambda: True)(),
-    reason="known race, GIL off: Ctrl-C inside an engine lock's acquire leaves it held",
-)
-
-
 @pytest.fixture
 def ctrl_c_raises():
     """Python's own SIGINT handler for the test. A program started in the background by a shell
@@ -174,7 +162,6 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-@INTERRUPT_RACE
 @pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("hooks", [False, True])
 def test_ctrl_c_while_waiting(hooks):
@@ -185,7 +172,6 @@ def test_ctrl_c_while_waiting(hooks):
             pass
 
 
-@INTERRUPT_RACE
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_waiting_on_a_bare_pipeline():
     def fn(x):
@@ -416,3 +402,48 @@ def test_closed_persistent_iterator_starts_again_on_the_next_epoch():
     it.close()
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
     del it, loader
+
+
+class Stateful(Dataset):
+    """State of its own (torchdata's protocol): read on one copy per worker, in turns."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        return index
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class _TrappedCondition(threading.Condition):
+    """A Condition whose ``with`` takes its lock and then raises KeyboardInterrupt, as a Ctrl-C
+    arriving just after ``Condition.__enter__`` took the lock does; it never waits for a lock
+    that such an interrupt left held, but says so."""
+
+    def __enter__(self):
+        if not self._lock.acquire(timeout=2.0):
+            raise AssertionError("an earlier interrupt left this lock held")
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_as_an_engine_lock_is_taken_cannot_leave_it_held(monkeypatch):
+    """Ctrl-C lands between any two bytecodes of the main thread. Inside ``Condition.__enter__``,
+    just after it took the lock, it left the lock held with no ``with`` block to release it, and
+    the shutdown that followed waited for that lock forever (seen with the GIL off, where the
+    interpreter handles signals at more points). The engine's channels, slots, sources and turns
+    enter their locks as locks: with every engine Condition's ``__enter__`` trapped, a pipeline
+    runs to its end and stops."""
+    trapped = types.SimpleNamespace(**vars(threading))
+    trapped.Condition = _TrappedCondition
+    for module in ("channel", "sources"):
+        monkeypatch.setattr(f"torch_spdl.pipeline.{module}.threading", trapped)
+    monkeypatch.setattr("torch_spdl.copies.threading", trapped)
+    with Pipeline(range(50), [Stage("double", lambda x: 2 * x, 2)], buffer_size=2) as pipe:
+        assert list(pipe) == [2 * x for x in range(50)]
+    loader = DataLoader(Stateful(), batch_size=2, num_workers=2)
+    assert [batch.tolist() for batch in loader] == [[2 * i, 2 * i + 1] for i in range(8)]

@@ -389,7 +389,9 @@ class Trial:
             with self._lock:  # a trial stopped (decided, closed) starts no probe
                 if self._stopped:
                     return
+                # known before its thread starts: a Ctrl-C inside start() leaves it to stop()
                 knocker = self._knocker = Knocker(self.knocks)
+                knocker.start()
         if (knocker.waits % 2 == 1) != waiting:
             knocker.waits += 1
 
@@ -454,6 +456,8 @@ class Knocker:
         self.waits = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch_spdl.auto-probe")
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
@@ -468,7 +472,10 @@ class Knocker:
     def stop(self) -> None:
         self._stopped.set()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            # RuntimeError: a Ctrl-C in start() before the thread began; one that began sees the
+            # flag set and ends on its own
+            with contextlib.suppress(RuntimeError):
+                self._thread.join()
 
 
 def _exact_timers() -> bool:

@@ -53,7 +53,8 @@ class Turns:
     never two passes' at once. A new pass (:meth:`begin`) makes the last one's batches stale."""
 
     def __init__(self, copies: int) -> None:
-        self._changed = threading.Condition()
+        self._lock = threading.RLock()  # entered itself (see torch_spdl.pipeline.channel)
+        self._changed = threading.Condition(self._lock)
         self._generation = 0
         self._next = [0] * copies
         self._busy = [False] * copies
@@ -61,7 +62,7 @@ class Turns:
 
     def begin(self) -> int:
         """A new pass: its number."""
-        with self._changed:
+        with self._lock:
             self._generation += 1
             self._next = [0] * len(self._next)
             self._changed.notify_all()
@@ -69,20 +70,20 @@ class Turns:
 
     def stop(self) -> None:
         """The pipeline stops: every waiting batch is stale."""
-        with self._changed:
+        with self._lock:
             self._stopped = True
             self._changed.notify_all()
 
     def acquire(self, task: CopyTask) -> None:
         """Wait for ``task``'s turn on its copy; StalePass if its pass was given up."""
-        with self._changed:
+        with self._lock:
             self._changed.wait_for(lambda: self._stale(task) or self._due(task))
             if self._stale(task):
                 raise StalePass(f"batch {task.number} belongs to a pass that was given up")
             self._busy[task.copy] = True
 
     def release(self, task: CopyTask) -> None:
-        with self._changed:
+        with self._lock:
             self._busy[task.copy] = False
             if task.generation == self._generation:
                 self._next[task.copy] = task.turn + 1

@@ -4,6 +4,13 @@ Every blocking call in the engine goes through :class:`Channel` or :class:`Slots
 :class:`StopSignal` can wake every waiting thread at once: that is what lets a pipeline shut down
 within a second on exhaustion, ``break``, garbage collection, errors or KeyboardInterrupt, without
 polling and without relying on daemon threads.
+
+Their locks are entered as locks (``with self._lock:``), never through the ``Condition`` on them.
+``Condition.__enter__`` is Python code: a KeyboardInterrupt raised there after the lock was taken
+(Ctrl-C arrives between any two bytecodes of the main thread) leaves the lock held with no
+``with`` block to release it, and the shutdown that follows (:meth:`StopSignal.set` waking every
+channel) then waits for it forever. A lock's own ``__enter__`` is C: it takes the lock and the
+block begins with nothing in between.
 """
 
 from __future__ import annotations
@@ -76,19 +83,20 @@ class Channel(Generic[T]):
         self._items: deque[T] = deque()
         self._producers = producers
         self._stop = stop
-        lock = threading.Lock()
-        self._not_empty = threading.Condition(lock)
-        self._not_full = threading.Condition(lock)
+        # entered as the lock itself, never through a Condition (see the module's docstring)
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
         stop.on_set(self._wake_all)
 
     def _wake_all(self) -> None:
-        with self._not_empty:
+        with self._lock:
             self._not_empty.notify_all()
             self._not_full.notify_all()
 
     def put(self, item: T) -> None:
         """Append ``item``, waiting while the channel is full."""
-        with self._not_full:
+        with self._lock:
             while len(self._items) >= self._capacity:
                 if self._stop.is_set():
                     raise Stopped
@@ -112,7 +120,7 @@ class Channel(Generic[T]):
 
     def get(self, timeout: float | None = None) -> T:
         """Pop the oldest item; :class:`Closed` at end of stream, ``TimeoutError`` on timeout."""
-        with self._not_empty:
+        with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not self._items:
                 if self._stop.is_set():
@@ -135,7 +143,7 @@ class Channel(Generic[T]):
 
     def close(self) -> None:
         """Mark one producer as done; the last one ends the stream for every consumer."""
-        with self._not_empty:
+        with self._lock:
             self._producers -= 1
             if self._producers <= 0:
                 self._not_empty.notify_all()
@@ -158,22 +166,23 @@ class Slots:
         self._epoch = 0
         self._base = 0
         self._stop = stop
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered itself, not through the Condition
+        self._cond = threading.Condition(self._lock)
         stop.on_set(self._wake_all)
 
     def _wake_all(self) -> None:
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     def reset(self, epoch: int, base: int) -> None:
         """Start ``epoch``, whose seqs begin at ``base``, with every slot free."""
-        with self._cond:
+        with self._lock:
             self._epoch, self._base, self._free = epoch, base, self._count
             self._cond.notify_all()
 
     def acquire(self, epoch: int = 0) -> bool:
         """Take a slot for ``epoch``; False if another epoch started while waiting."""
-        with self._cond:
+        with self._lock:
             while self._free == 0 and self._epoch == epoch:
                 if self._stop.is_set():
                     raise Stopped
@@ -187,7 +196,7 @@ class Slots:
 
     def release(self, seq: int | None = None) -> None:
         """Give a slot back; a ``seq`` from before the current epoch's base gives nothing back."""
-        with self._cond:
+        with self._lock:
             if seq is None or seq >= self._base:
                 self._free += 1
                 self._cond.notify()

@@ -78,9 +78,10 @@ class SharedReader:
         # into _wake_all on this same thread. Two conditions on the one lock, so a released slot
         # wakes the thread waiting for budget and never one waiting for its turn: that one would
         # only take the GIL from the thread that can go on, and go back to sleep.
-        lock = threading.RLock()
-        self._cond = threading.Condition(lock)  # an epoch has begun, or the source is free
-        self._budget = threading.Condition(lock)  # a slot is free
+        # entered itself, not through a Condition (see torch_spdl.pipeline.channel)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # an epoch has begun, or the source is free
+        self._budget = threading.Condition(self._lock)  # a slot is free
         self._limit = source.max_in_flight
         self._free = self._limit
         self._iterator: Iterator[Any] | None = None
@@ -93,13 +94,13 @@ class SharedReader:
         stop.on_set(self._wake_all)
 
     def _wake_all(self) -> None:
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
             self._budget.notify_all()
 
     def start_epoch(self, iterable: Iterable[Any]) -> tuple[int, int]:
         """Begin a new epoch over ``iterable``; returns ``(epoch, base seq)``."""
-        with self._cond:
+        with self._lock:
             self._epoch += 1
             self._base = self._next_seq
             self._free = self._limit
@@ -109,7 +110,7 @@ class SharedReader:
             return self._epoch, self._base
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._wake_all()
 
@@ -117,7 +118,7 @@ class SharedReader:
         """The consumer is done with ``seq``: one more may enter (unless ``seq`` is stale)."""
         if self._limit is None:
             return
-        with self._cond:
+        with self._lock:
             if seq >= self._base:
                 assert self._free is not None  # set from the limit
                 self._free += 1
@@ -143,7 +144,7 @@ class SharedReader:
         that blocks (the part of the pipeline before a regroup, an async listing) must not hold
         up the consumer's releases or the stop signal meanwhile."""
         while True:
-            with self._cond:
+            with self._lock:
                 self._wait_for_turn()
                 if self._stop.is_set():
                     raise Stopped
@@ -155,7 +156,7 @@ class SharedReader:
             except BaseException:
                 self._done_taking()
                 raise
-            with self._cond:
+            with self._lock:
                 try:
                     numbered = self._number(taken, epoch)
                 finally:
@@ -165,7 +166,7 @@ class SharedReader:
                 return numbered
 
     def _done_taking(self) -> None:
-        with self._cond:
+        with self._lock:
             self._busy = False
             self._cond.notify()
 
