@@ -765,6 +765,50 @@ def test_the_batch_is_padded_at_once_as_image_by_image_and_says_nothing(monkeypa
     assert torch.equal(device_decode.crop_batch(images, boxes, (8, 8), flips), cropped)
 
 
+def test_a_large_photo_is_padded_apart_and_every_crop_is_its_images_own(monkeypatch):
+    """Images are padded to the largest of their group: a batch of small images with one large
+    photo pads it apart (else every image would take the photo's size), and each crop equals the
+    image's cropped alone, in the batch's order, flips included."""
+    generator = torch.Generator().manual_seed(1)
+    sizes = [(30, 40), (32, 24), (300, 420), (28, 36), (40, 40), (26, 30)]
+    images = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator) for h, w in sizes
+    ]
+    boxes = [(1, 2, h - 3, w - 4) for h, w in sizes]
+    flips = [True, False, True, False, False, True]
+    padded: list[tuple[int, ...]] = []
+    real_padded_batch = device_decode.padded_batch
+
+    def recorded(group):
+        out = real_padded_batch(group)
+        padded.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(device_decode, "padded_batch", recorded)
+    cropped = device_decode.crop_batch(images, boxes, (12, 12), flips)
+    assert device_decode.size_groups(sizes) == [[1, 5, 3, 0, 4], [2]]  # by area
+    assert sorted(padded) == [(1, 3, 301, 421), (5, 3, 41, 41)]
+    pixels = sum((h + 1) * (w + 1) for h, w in sizes)
+    assert sum(n * h * w for n, _, h, w in padded) <= device_decode.PADDING_SLACK * pixels
+    for i, (image, box, flip) in enumerate(zip(images, boxes, flips, strict=True)):
+        alone = device_decode.crop_batch([image], [box], (12, 12), [flip])
+        assert torch.equal(cropped[i], alone[0]), i
+
+
+def test_like_sized_images_stay_one_group_in_their_order_and_groups_stay_exact_in_half():
+    """ImageNet's common sizes pad together as one group, in order; no group holds more images
+    than float16 counts exactly (``roi_align``'s image index)."""
+    generator = torch.Generator().manual_seed(2)
+    heights = torch.randint(300, 501, (256,), generator=generator).tolist()
+    widths = torch.randint(350, 641, (256,), generator=generator).tolist()
+    sizes = list(zip(heights, widths, strict=True))
+    assert device_decode.size_groups(sizes) == [list(range(256))]
+    many = [(10, 10)] * (device_decode.MOST_PER_GROUP + 3)
+    groups = device_decode.size_groups(many)
+    assert [len(group) for group in groups] == [device_decode.MOST_PER_GROUP, 3]
+    assert sorted(i for group in groups for i in group) == list(range(len(many)))
+
+
 def test_without_a_gpu_decoder_the_cpu_decodes_and_says_why_once():
     crop = RandomResizedCrop(32, decode_on="cuda")
     with warnings.catch_warnings(record=True) as caught:

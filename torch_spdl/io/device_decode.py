@@ -11,11 +11,12 @@ path would have made:
 
 1. one batched decode of every JPEG (:func:`batch_decoder`: torchvision's nvJPEG op; other
    formats are decoded on the CPU and copied);
-2. the images copied into one padded batch (their last row and column repeated, so that no crop
-   at an image's edge reads padding);
-3. every crop resized at once by ``torchvision.ops.roi_align`` (bilinear samples averaged over
-   each output pixel's footprint: an antialiased downscale), flips by one indexed ``flip``, then
-   rounded back to uint8.
+2. the images copied into padded batches, one per group of like sizes (:func:`size_groups`: one
+   for a batch of ImageNet's common sizes, a few where it holds large photos), their last row
+   and column repeated, so that no crop at an image's edge reads padding;
+3. each group's crops resized at once by ``torchvision.ops.roi_align`` (bilinear samples averaged
+   over each output pixel's footprint: an antialiased downscale) and rounded back to uint8,
+   then flips by one indexed ``flip``.
 
 The pixels are close to the CPU path's (``roi_align``'s averaging is not torch's antialiased
 bilinear kernel), with the same shape, dtype and crop distribution. Where no GPU decoder is
@@ -201,22 +202,86 @@ def _log_fallback_once(device: torch.device, error: RuntimeError) -> None:
 _fallback_logged = False
 
 
+PADDING_SLACK = 2.0
+"""A padded group's pixels may be at most this many times its images' own: images are padded to
+the largest of their group, and one large photo (ImageNet holds some of 2,000-5,000 px) would
+otherwise make every image of a batch of 256 that large (gigabytes of GPU memory). Batches of
+like sizes (ImageNet's common 500 × 375, give or take) stay one group."""
+
+MOST_PER_GROUP = 2048
+"""float16 counts integers exactly up to 2,048: ``roi_align``'s image index in a group."""
+
+EXACT_HALF = 2048
+"""An image with a side over this many pixels is cropped in float32: float16 rounds its box's
+corners to 2 px or more there."""
+
+
 def crop_batch(
     images: list[torch.Tensor], boxes: Sequence[Box], size: tuple[int, int], flips: list[bool]
 ) -> torch.Tensor:
     """Crop ``boxes`` of ``images`` (uint8 ``C×H×W``, one device), resize them to ``size`` and
-    flip where asked, in a few batched ops: uint8 ``N×C×size``."""
-    device = images[0].device
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    padded = padded_batch(images).to(dtype)
-    rows = [
-        [n, left, top, left + w, top + h, flip]
-        for n, ((top, left, h, w), flip) in enumerate(zip(boxes, flips, strict=True))
+    flip where asked, in a few batched ops per group of like-sized images
+    (:func:`size_groups`): uint8 ``N×C×size``."""
+    sizes = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
+    groups = size_groups(sizes)
+    crops = [
+        _crop_group([images[i] for i in group], [boxes[i] for i in group], size) for group in groups
     ]
-    table = _to_device(rows, dtype, device)  # one copy for the boxes and the flips
-    rois, flip = table[:, :5], table[:, 5] != 0
+    out = crops[0] if len(crops) == 1 else torch.cat(crops)
+    order = [i for group in groups for i in group]
+    if order != list(range(len(images))):  # back to the batch's order
+        where = sorted(range(len(order)), key=order.__getitem__)
+        out = out.index_select(0, _to_device(where, torch.int64, out.device))
+    flip = _to_device(flips, torch.bool, out.device)
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)
+
+
+def size_groups(sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """The images' positions in groups to pad together: one group, in order, where padding them
+    all to the largest costs at most :data:`PADDING_SLACK` times their pixels; else, by area,
+    the smallest first, a new group wherever the next image would break that bound (or
+    :data:`MOST_PER_GROUP`)."""
+    if len(sizes) <= MOST_PER_GROUP and _padded(sizes) <= PADDING_SLACK * _pixels(sizes):
+        return [list(range(len(sizes)))]
+    groups: list[list[int]] = []
+    height = width = pixels = 0  # the last group's padded edges and its images' pixels
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i][0] * sizes[i][1]):
+        h, w = sizes[i][0] + 1, sizes[i][1] + 1
+        grown = (len(groups[-1]) + 1) * max(height, h) * max(width, w) if groups else 0
+        if (
+            not groups
+            or len(groups[-1]) == MOST_PER_GROUP
+            or grown > PADDING_SLACK * (pixels + h * w)
+        ):
+            groups.append([])
+            height = width = pixels = 0
+        groups[-1].append(i)
+        height, width, pixels = max(height, h), max(width, w), pixels + h * w
+    return groups
+
+
+def _padded(sizes: Sequence[tuple[int, int]]) -> int:
+    """The pixels of ``sizes`` padded together (one more row and column each)."""
+    height, width = (max(edge) + 1 for edge in zip(*sizes, strict=True))
+    return len(sizes) * height * width
+
+
+def _pixels(sizes: Sequence[tuple[int, int]]) -> int:
+    return sum((h + 1) * (w + 1) for h, w in sizes)
+
+
+def _crop_group(
+    images: list[torch.Tensor], boxes: Sequence[Box], size: tuple[int, int]
+) -> torch.Tensor:
+    """:func:`crop_batch` for one group, without the flips: uint8 ``n×C×size``."""
+    device = images[0].device
+    largest = max(max(image.shape[-2:]) for image in images)
+    half = device.type == "cuda" and largest <= EXACT_HALF
+    dtype = torch.float16 if half else torch.float32
+    padded = padded_batch(images).to(dtype)
+    rows = [[n, left, top, left + w, top + h] for n, (top, left, h, w) in enumerate(boxes)]
+    rois = _to_device(rows, dtype, device)
     out = roi_align(padded, rois, size, spatial_scale=1.0, sampling_ratio=0, aligned=True)
-    out = torch.where(flip[:, None, None, None], out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
