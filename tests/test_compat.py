@@ -287,13 +287,19 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
     assert start_method._forkserver_preload(["numpy", "x"]) == [
         "__main__",
         "numpy",
+        "torch_spdl.server_exit",
         "torch_spdl.processes",
         "x",
     ]
     monkeypatch.delattr(server, "_preload_modules")
     assert compat.forkserver_preload() == ["__main__"]
     monkeypatch.delattr(multiprocessing.forkserver, "_forkserver")
-    assert start_method._forkserver_preload(["x"]) == ["__main__", "torch_spdl.processes", "x"]
+    assert start_method._forkserver_preload(["x"]) == [
+        "__main__",
+        "torch_spdl.server_exit",
+        "torch_spdl.processes",
+        "x",
+    ]
 
 
 # -- fresh interpreters ----------------------------------------------------------------------------

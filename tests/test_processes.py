@@ -19,12 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+import server_mark
 import torch
 import torchvision
 from index_datasets import WaitsAt, WhereRead
@@ -865,6 +867,70 @@ def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     assert child.exitcode == 0
 
 
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+def test_a_fork_server_ended_for_a_restart_exits_as_usual_and_its_workers_still_die_on_sigterm(
+    monkeypatch, tmp_path
+):
+    """The restart above ends the server with SIGTERM. Killed by it, the server skipped its exit
+    handlers: under torch 2.8, whose ``import torchvision`` makes a temporary directory that only
+    an exit handler removes, each such restart left one in /tmp. It exits as usual now, and a
+    worker it forks still dies at once on SIGTERM, as torch's loader expects of its workers."""
+    if multiprocessing.active_children() or not compat.stop_forkserver():
+        pytest.skip("the running fork server cannot be stopped here")
+    mark = tmp_path / "exits"
+    monkeypatch.setenv(server_mark.MARK, str(mark))
+    # the server imports its preload list on the path it was started with, not the tests'
+    here = os.path.dirname(server_mark.__file__)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    context = start_method.start_context(None, [server_mark.__name__])
+    if context.get_start_method() != "forkserver":
+        pytest.skip("no fork server here")
+    started_with(context, [])  # a worker started: the server has imported its preload list
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    fork = multiprocessing.get_context("fork")
+    release = fork.Event()
+    child = fork.Process(target=release.wait)  # holds the server's alive pipe
+    child.start()
+    try:
+        start_method.start_context(None, ["this.module.is.new.too"])  # ends it with SIGTERM
+        assert multiprocessing.forkserver._forkserver._forkserver_pid is None
+        assert mark.read_text().split() == [str(server)], "the server was killed, not exited"
+        worker = context.Process(target=time.sleep, args=(60,))
+        worker.start()
+        os.kill(worker.pid, signal.SIGTERM)
+        worker.join(30)
+        assert worker.exitcode == -signal.SIGTERM
+    finally:
+        release.set()
+        child.join()
+        compat.stop_forkserver()  # while the file it writes to on exit is there
+
+
+SIGTERM_AS_EXIT = """
+import atexit, os, signal, sys
+import torch_spdl.server_exit
+atexit.register(print, "exit handlers ran", flush=True)
+if sys.argv[1] == "without":
+    del atexit._run_exitfuncs
+os.kill(os.getpid(), signal.SIGTERM)
+print("not ended")
+"""
+
+
+@pytest.mark.parametrize("private", ["with", "without"])
+def test_a_sigterm_runs_the_servers_exit_handlers_with_or_without_pythons_private_name(private):
+    """The server's handler runs the exit handlers through ``atexit``'s private
+    ``_run_exitfuncs``; where a Python lacks it, it raises ``SystemExit`` instead."""
+    run = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AS_EXIT, private],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (run.returncode, run.stdout) == (128 + signal.SIGTERM, "exit handlers ran\n"), run
+
+
 def start_process(context: Any, job: Any, worker: int, workers: int) -> Any:
     """One worker process of ``workers``, as a pool starts it (seed 0, no worker_init_fn)."""
     settings = inherited.capture()
@@ -1090,6 +1156,7 @@ def test_the_main_scripts_imports_are_preloaded(monkeypatch):
     monkeypatch.setattr(start_method, "forkserver_preload", lambda: ["__main__"])  # a new server's
     assert start_method._forkserver_preload(["x"]) == [
         "__main__",
+        "torch_spdl.server_exit",
         "torch_spdl.processes",
         "x",
         *start_method.main_imports(),

@@ -391,7 +391,8 @@ def stop_forkserver(end: bool = False) -> bool:
     ``_stop`` closes the server's alive pipe and waits for it to exit. A child forked from this
     process holds a copy of that pipe, so the server would not see it close: ``end`` ends the
     server with SIGTERM first (only where no child of the server's is alive, whose parent would
-    read it as dead)."""
+    read it as dead); a server we started exits on it as it would on the pipe's close, its exit
+    handlers run (:mod:`torch_spdl.server_exit`)."""
     server = _forkserver()
     stop = getattr(server, "_stop", None)
     if stop is None:

@@ -80,12 +80,14 @@ def exit_code(process: Any, timeout: float) -> int | None:
 def _lacks(server: list[str], wanted: list[str]) -> bool:
     """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's modules and
     those ``import torch_spdl`` imports count as there: every server imports both (through this
-    module), and a restart costs a new server's start-up, seconds, for nothing."""
+    module), and a restart costs a new server's start-up, seconds, for nothing; so does
+    :data:`SERVER_MODULE`, which only makes a later restart's end clean."""
     from . import _PACKAGE_MODULES  # the package has finished importing by any start
 
     return any(
         name not in server
         and name not in _PACKAGE_MODULES
+        and name != SERVER_MODULE
         and name != "torch"
         and not name.startswith("torch.")
         for name in wanted
@@ -115,6 +117,10 @@ WORKER_MODULE = "torch_spdl.processes"
 """The module a worker process runs (its ``_worker_main``), which imports all a worker needs of
 torch_spdl: the fork server preloads it."""
 
+SERVER_MODULE = "torch_spdl.server_exit"
+"""Preloaded by the fork servers we start, for the server alone: a SIGTERM ends it as an exit
+does (:mod:`torch_spdl.server_exit`). A server started without it is not restarted for it."""
+
 
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     """The fork server's preload list (the main script, by default) with
@@ -122,7 +128,8 @@ def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     with them imported (the list is read through a private name of the standard library, see
     :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
     started yet: a running server keeps what it has."""
-    return list(dict.fromkeys([*forkserver_preload(), WORKER_MODULE, *extra, *main_imports()]))
+    preload = [*forkserver_preload(), SERVER_MODULE, WORKER_MODULE, *extra, *main_imports()]
+    return list(dict.fromkeys(preload))
 
 
 _NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")
