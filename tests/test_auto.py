@@ -30,14 +30,23 @@ def measured(
     busy_cores: float = 3.0,
     batch_cpu_ms: float = 20.0,
     workers: int = 4,
+    consumer_queued: float = 0.0,
+    stage_queued: float = 0.0,
 ) -> Measured:
-    """Figures as a trial of 100 batches over 1 s would report them, with 100 knocks."""
+    """Figures as a trial of 100 batches over 1 s would report them, with 100 knocks; waits and
+    run-queue times are shares of the stage's tasks and of the loop's steps."""
     cpu = batch_cpu_ms / 1e3 * 100
-    stage = Tally(wall=cpu / (1 - stage_wait), cpu=cpu, queue=0.0, count=100)
-    consumer = Tally(wall=consumer_cpu / (1 - consumer_wait), cpu=consumer_cpu, queue=0.0, count=50)
+    stage = tally(cpu, stage_wait, stage_queued, 100)
+    consumer = tally(consumer_cpu, consumer_wait, consumer_queued, 50)
     knocks = Tally(wall=0.1 + gil_wait_us * 1e-4, cpu=0.1, queue=0.0, count=100)  # 1 ms each
     process_cpu = busy_cores + consumer_cpu  # the loader's cores and the training loop's
     return Measured(stage, consumer, 1.0, process_cpu, workers, 1.0, 1.0, knocks)
+
+
+def tally(cpu: float, waiting: float, queued: float, count: int) -> Tally:
+    """Spans of ``cpu`` seconds on a CPU, ``waiting`` and ``queued`` shares of their time off it."""
+    wall = cpu / (1 - waiting - queued)
+    return Tally(wall=wall, cpu=cpu, queue=queued * wall, count=count)
 
 
 GIL_ON = gil.gil_enabled()  # free-threaded Python with the GIL off: threads are where stages scale
@@ -63,6 +72,26 @@ def test_a_training_loop_that_waits_for_the_gil_sends_the_stage_to_processes():
     assert decision.executor == PROCESS and "slows the training loop" in decision.reason
     assert "waited for the GIL 15% of its steps" in str(decision)
     assert decide(measured(stage_wait=0.05, consumer_wait=0.05), cpus=16).executor == THREAD
+
+
+def test_a_loop_the_gil_wakes_behind_busy_threads_sends_the_stage_to_processes():
+    """On cores all busy, a loop woken by the GIL then waits for a core: its GIL wait alone
+    (here 6 %) understates the harm. Waiting for a core no longer than the stage's threads do is
+    the cores' doing, not the GIL's."""
+    busy = dict(stage_wait=0.05, consumer_wait=0.06, busy_cores=1.8, workers=2)
+    behind = measured(**busy, consumer_queued=0.6, stage_queued=0.1)
+    assert behind.consumer_held == pytest.approx(0.56)
+    decision = decide(behind, cpus=2)
+    assert decision.executor == PROCESS and "slows the training loop" in decision.reason
+    assert "waited for the GIL 6% of its steps and for a core 60% (the stage's threads 10%)" in str(
+        decision
+    )
+    alike = measured(**busy, consumer_queued=0.5, stage_queued=0.5)
+    assert alike.consumer_held == pytest.approx(0.06)
+    assert decide(alike, cpus=2).executor == THREAD
+    # a loop that needs no GIL is not held off by it, however long it waits for a core
+    idle_loop = measured(**{**busy, "consumer_cpu": 0.01}, consumer_queued=0.6)
+    assert decide(idle_loop, cpus=2).executor == THREAD
 
 
 def test_a_stage_the_gil_does_not_bind_stays_on_threads():

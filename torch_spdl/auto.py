@@ -13,7 +13,10 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   every thread that needs it, the training loop's included, queues for it), or the training loop
   needs the GIL (its steps are on a CPU at least :data:`CONSUMER_CPU` of its time) and is slowed
   by the stage: its steps spend :data:`CONSUMER_WAIT` of their time waiting for the GIL (off the
-  CPU without waiting for one), or a thread that wants the GIL waits for it, on average,
+  CPU without waiting for one), or :data:`CONSUMER_HELD` of it held off by the GIL, counting
+  their time in the run queue beyond the stage threads' share (a thread the GIL wakes must then
+  find a free core: where all are busy, it waits for one at every hand-off, and the GIL wait
+  alone understates the harm), or a thread that wants the GIL waits for it, on average,
   :data:`GIL_WAIT_S` or more. A loop that launches ops takes the GIL back after each one, every
   few microseconds, and pays that wait each time (CUDA's synchronisation spins on the CPU by
   default, so a loop waiting for its GPU is on a CPU, not waiting). Either counts only while the
@@ -56,6 +59,9 @@ STAGE_WAIT = 0.2  # share of a stage thread's time spent waiting for the GIL: it
 CONSUMER_CPU = 0.05  # share of its time the training loop is on a CPU: it needs the GIL
 CONSUMER_WAIT = 0.08  # share of its steps the training loop waits for the GIL (3-5 % beside
 # work that frees the GIL, 9-13 % beside PIL's on 2 cores)
+CONSUMER_HELD = 0.3  # share of its steps the training loop is held off by the GIL, its wake-ups'
+# wait for a core included (0.5-0.65 beside threads of PIL or tensor transforms on 2 busy cores,
+# 0.1-0.2 beside work that frees the GIL)
 GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops is slowed
 ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
 KNOCK_S = 0.001  # how long the probe sleeps between knocks
@@ -189,6 +195,24 @@ class Measured:
         return self.consumer.waiting
 
     @property
+    def consumer_queued(self) -> float:
+        """The share of its steps' time the training loop spent waiting for a core."""
+        return self.consumer.queue / self.consumer.wall if self.consumer.wall > 0 else 0.0
+
+    @property
+    def stage_queued(self) -> float:
+        """The share of their tasks' time the stage's threads spent waiting for a core."""
+        return self.stage.queue / self.stage.wall if self.stage.wall > 0 else 0.0
+
+    @property
+    def consumer_held(self) -> float:
+        """The share of its steps' time the GIL held the training loop off: its wait for the GIL
+        and its wait for a core beyond the stage threads'. Where the cores are merely busy,
+        every thread waits in the run queue alike; a loop that waits more than the threads is
+        waking from GIL waits, each time behind them."""
+        return min(1.0, self.consumer_wait + max(0.0, self.consumer_queued - self.stage_queued))
+
+    @property
     def gil_wait_s(self) -> float:
         """The mean wait for the GIL of a thread that wants it now and then (0: too little seen)."""
         if self.knocks.wall < MIN_KNOCK_S:
@@ -210,7 +234,7 @@ class Measured:
         wall = self.stage.wall
         if self.workers < 2 or wall <= 0:
             return False
-        on_cpu, queued = self.stage.cpu / wall, self.stage.queue / wall
+        on_cpu, queued = self.stage.cpu / wall, self.stage_queued
         return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
 
     @property
@@ -228,7 +252,8 @@ class Measured:
             f"thread that needs the GIL waited {self.gil_wait_s * 1e6:.0f} µs for it on average "
             f"({self.gil_busy:.0%} of its time); "
             f"the training loop was on a CPU {self.consumer_cpu:.0%} of its time and waited for "
-            f"the GIL {self.consumer_wait:.0%} of its steps; "
+            f"the GIL {self.consumer_wait:.0%} of its steps and for a core "
+            f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
             f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self.workers} workers"
         )
@@ -278,7 +303,11 @@ def decide(
     turns = measured.takes_turns and cpus >= 2
     gil_busy = measured.gil_busy >= GIL_BUSY
     stage_bound = (measured.stage_wait >= STAGE_WAIT or turns or gil_busy) and not io
-    slowed = measured.consumer_wait >= CONSUMER_WAIT or measured.gil_wait_s >= GIL_WAIT_S
+    slowed = (
+        measured.consumer_wait >= CONSUMER_WAIT
+        or measured.consumer_held >= CONSUMER_HELD
+        or measured.gil_wait_s >= GIL_WAIT_S
+    )
     consumer_bound = measured.consumer_cpu >= CONSUMER_CPU and slowed and not io
     if not (stage_bound or consumer_bound):
         why = (
