@@ -60,8 +60,8 @@ CONSUMER_CPU = 0.05  # share of its time the training loop is on a CPU: it needs
 CONSUMER_WAIT = 0.08  # share of its steps the training loop waits for the GIL (3-5 % beside
 # work that frees the GIL, 9-13 % beside PIL's on 2 cores)
 CONSUMER_HELD = 0.3  # share of its steps the training loop is held off by the GIL, its wake-ups'
-# wait for a core included (0.5-0.65 beside threads of PIL or tensor transforms on 2 busy cores,
-# 0.1-0.2 beside work that frees the GIL)
+# wait for a core included (on 2 busy cores: 0.44-0.64 beside PIL's threads, mostly 0.45 or more
+# beside tensor transforms', 0.02-0.21 beside work that frees the GIL)
 GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops is slowed
 ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
 KNOCK_S = 0.001  # how long the probe sleeps between knocks
