@@ -146,6 +146,11 @@ class Tally:
         """The share of the wall time spent neither on a CPU nor waiting for one."""
         return min(1.0, self.waiting_s / self.wall) if self.wall > 0 else 0.0
 
+    @property
+    def queued(self) -> float:
+        """The share of the wall time spent waiting for a CPU (in the run queue)."""
+        return self.queue / self.wall if self.wall > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -197,12 +202,12 @@ class Measured:
     @property
     def consumer_queued(self) -> float:
         """The share of its steps' time the training loop spent waiting for a core."""
-        return self.consumer.queue / self.consumer.wall if self.consumer.wall > 0 else 0.0
+        return self.consumer.queued
 
     @property
     def stage_queued(self) -> float:
         """The share of their tasks' time the stage's threads spent waiting for a core."""
-        return self.stage.queue / self.stage.wall if self.stage.wall > 0 else 0.0
+        return self.stage.queued
 
     @property
     def consumer_held(self) -> float:
