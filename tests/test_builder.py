@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_spdl
-from torch_spdl.pipeline import PipelineBuilder
+from torch_spdl.pipeline import Gate, PipelineBuilder
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -285,6 +285,8 @@ def source():
         (lambda: source().pipe(asyncio.sleep, executor="thread"), TypeError, "sync op"),
         (lambda: source().pipe(abs, executor="process", on_start=print), ValueError, "on_start"),
         (lambda: source().pipe(5), TypeError, "callable"),
+        (lambda: source().pipe(asyncio.sleep, gate=Gate(1)), ValueError, "gate"),
+        (lambda: source().pipe(abs, executor="process", gate=Gate(1)), ValueError, "gate"),
         (lambda: source().aggregate(0), ValueError, "num_items"),
         (lambda: source().add_sink(0), ValueError, "buffer_size"),
         (lambda: source().add_sink().build(num_threads=0), ValueError, "num_threads"),
@@ -294,6 +296,29 @@ def source():
 def test_bad_descriptions_are_refused_with_the_reason(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_a_gated_pipe_takes_items_on_the_threads_below_its_width_until_it_widens():
+    """Thread 0 alone takes the first ten items; once the gate widens, two threads meet in the
+    op (the barrier breaks, failing those items, where only one may take items)."""
+    gate, local, workers = Gate(1), threading.local(), []
+    meet = threading.Barrier(2, timeout=30)
+
+    def op(item):
+        workers.append(local.worker)
+        if item == 9:
+            gate.widen()
+        if item in (10, 11):
+            meet.wait()
+        return item
+
+    def on_start(worker):
+        local.worker = worker
+
+    pipeline = build(range(40), pipe(op, concurrency=3, on_start=on_start, gate=gate))
+    with pipeline.auto_stop():
+        assert take_all(pipeline) == list(range(40))
+    assert workers[:10] == [0] * 10 and len(set(workers)) >= 2
 
 
 # -- the DataLoader is one user of the builder ----------------------------------------------------

@@ -1,4 +1,5 @@
-"""The engine's channel: when a producer that waits for room is woken, and that it always is."""
+"""The engine's channel: when a producer that waits for room is woken, and that it always is;
+the gate: which of a stage's threads take items."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from torch_spdl.pipeline.channel import Channel, Closed, Stopped, StopSignal
+from torch_spdl.pipeline.channel import Channel, Closed, Gate, Stopped, StopSignal
 
 
 class CountedNotify:
@@ -97,3 +98,55 @@ def _put_and_record(channel: Channel, item: int, outcome: list[BaseException]) -
         channel.put(item)
     except Stopped as stopped:
         outcome.append(stopped)
+
+
+# -- the gate -------------------------------------------------------------------------------------
+def _pass_and_record(gate: Gate, worker: int, stop: StopSignal, outcome: list[object]) -> None:
+    try:
+        gate.wait(worker, stop)
+        outcome.append(worker)
+    except Stopped as stopped:
+        outcome.append(stopped)
+
+
+def _waiting(gate: Gate, threads: int) -> None:
+    """Until ``threads`` threads wait at ``gate``."""
+    deadline = time.monotonic() + 30
+    while len(gate._wider._waiters) < threads and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(gate._wider._waiters) == threads
+
+
+def test_a_gate_passes_the_threads_below_its_width_and_the_rest_once_it_widens():
+    gate, stop, passed = Gate(2), StopSignal(), []
+    gate.wait(0, stop)
+    gate.wait(1, stop)  # below the width: at once
+    threads = [
+        threading.Thread(target=_pass_and_record, args=(gate, worker, stop, passed))
+        for worker in (2, 3)
+    ]
+    for thread in threads:
+        thread.start()
+    _waiting(gate, 2)
+    gate.widen(3)
+    threads[0].join(30)
+    _waiting(gate, 1)  # 3 still waits
+    assert passed == [2] and threads[1].is_alive()
+    gate.widen()
+    threads[1].join(30)
+    assert passed == [2, 3] and gate.width > 3
+    gate.widen(1)  # a width only grows
+    gate.wait(3, stop)
+
+
+def test_the_stop_signal_ends_a_wait_at_the_gate():
+    gate, stop, outcome = Gate(1), StopSignal(), []
+    gate.bind(stop)
+    waiting = threading.Thread(target=_pass_and_record, args=(gate, 1, stop, outcome))
+    waiting.start()
+    _waiting(gate, 1)
+    stop.set()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Stopped)
+    with pytest.raises(ValueError, match="at least 1"):
+        Gate(0)

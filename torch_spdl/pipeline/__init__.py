@@ -20,7 +20,7 @@ or its parts: ``Pipeline(urls, [Stage("download", fetch, 32), Stage("decode", de
 """
 
 from .builder import PipelineBuilder
-from .channel import Channel, Closed, Slots, Stopped, StopSignal
+from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
 from .items import End, Failure
 from .pipeline import Pipeline
 from .regroup import Regroup
@@ -33,6 +33,7 @@ __all__ = [
     "Closed",
     "End",
     "Failure",
+    "Gate",
     "InFlight",
     "Pipeline",
     "PipelineBuilder",

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from .channel import Gate
 from .pipeline import Pipeline, Step
 from .regroup import Regroup, aggregate, disaggregate
 from .sources import SharedSource, WorkerSource
@@ -75,9 +76,12 @@ class Pipe:
     output_order: str
     describe: Callable[[Any], str] | None
     on_start: Callable[[int], None] | None
+    gate: Gate | None = None
 
     def __post_init__(self) -> None:
         _check_count(f"pipe {self.name!r}: concurrency", self.concurrency)
+        if self.gate is not None and (self.is_async or self.executor not in (None, "thread")):
+            raise ValueError(f"pipe {self.name!r}: a gate needs a synchronous op on threads")
         if self.output_order not in ORDERS:
             raise ValueError(
                 f"pipe {self.name!r}: output_order must be 'input' or 'completion', "
@@ -162,13 +166,16 @@ class PipelineBuilder:
         output_order: str = "completion",
         describe: Callable[[Any], str] | None = None,
         on_start: Callable[[int], None] | None = None,
+        gate: Gate | None = None,
     ) -> PipelineBuilder:
         """Apply ``op`` to every item, ``concurrency`` at a time; a generator op (sync or async)
         yields any number of items for each. ``describe(item)`` names an item in error messages
-        (default: its shortened repr); ``on_start(i)`` runs once in each of the pipe's threads."""
+        (default: its shortened repr); ``on_start(i)`` runs once in each of the pipe's threads;
+        ``gate`` lets only the threads numbered below its width take items, until it widens."""
         self._check_open()
         name = name or getattr(op, "__name__", None) or type(op).__name__
-        self._steps.append(Pipe(op, name, concurrency, executor, output_order, describe, on_start))
+        pipe = Pipe(op, name, concurrency, executor, output_order, describe, on_start, gate)
+        self._steps.append(pipe)
         if self._steps[-1].is_generator:  # type: ignore[union-attr]
             self._steps.append(_Regroup(name, disaggregate(name)))
         return self
@@ -274,7 +281,9 @@ def _stage(pipe: Pipe, pools: list[Any]) -> Stage:
         fn, on_start = pool.call, pool.start
     elif isinstance(pipe.executor, concurrent.futures.Executor):
         fn = functools.partial(_submit, pipe.executor, fn)
-    return Stage(pipe.name, fn, pipe.concurrency, describe=describe, on_start=on_start)
+    return Stage(
+        pipe.name, fn, pipe.concurrency, describe=describe, on_start=on_start, gate=pipe.gate
+    )
 
 
 def _collected(op: Callable[[Any], Any]) -> Callable[[Any], Any]:

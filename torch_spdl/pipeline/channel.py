@@ -15,6 +15,7 @@ block begins with nothing in between.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -200,3 +201,50 @@ class Slots:
             if seq is None or seq >= self._base:
                 self._free += 1
                 self._cond.notify()
+
+
+class Gate:
+    """How many of a stage's threads take items: those numbered below its width.
+
+    The others wait before taking an item until :meth:`widen` lets them (or the stop signal
+    ends the wait with :class:`Stopped`). A thread waits before it takes an item, never while
+    holding one: the threads that take items take them in the source's order, so a narrow
+    stage still delivers in input order without waiting on an item that a gated thread holds.
+    """
+
+    def __init__(self, width: int) -> None:
+        if width < 1:
+            raise ValueError(f"a gate's width must be at least 1, got {width}")
+        self._width = width
+        self._lock = threading.Lock()  # entered itself, not through the Condition
+        self._wider = threading.Condition(self._lock)
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    def bind(self, stop: StopSignal) -> None:
+        """Wake the threads waiting here when ``stop`` is set (each pipeline that runs the
+        stage binds its own signal)."""
+        stop.on_set(self._wake_all)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            self._wider.notify_all()
+
+    def wait(self, worker: int, stop: StopSignal) -> None:
+        """Return once thread ``worker`` may take an item; :class:`Stopped` if ``stop`` is set
+        first."""
+        if worker < self._width:  # read without the lock: a width only grows
+            return
+        with self._lock:
+            while worker >= self._width:
+                if stop.is_set():
+                    raise Stopped
+                self._wider.wait()
+
+    def widen(self, width: int | None = None) -> None:
+        """Let threads numbered below ``width`` take items (every thread where None)."""
+        with self._lock:
+            self._width = max(self._width, width if width is not None else sys.maxsize)
+            self._wider.notify_all()

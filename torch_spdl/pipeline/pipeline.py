@@ -221,6 +221,8 @@ class _Runtime:
             return out, producers
         out = self._channel(2 * stage.concurrency, producers=stage.concurrency, last=last)
         stats = self._stats(stage.name, "thread", stage.concurrency, out, stage.describe)
+        if stage.gate is not None:
+            stage.gate.bind(self.stop)
         self._starting += stage.concurrency
         for worker in range(stage.concurrency):
             name = f"{stage.name}:{worker}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..inherited import in_thread
-from .channel import Channel, Closed, Slots, Stopped, StopSignal
+from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
 from .items import End, Failure, is_control
 from .stats import InFlight, StageStats, WorkerRecord, call_timed
 
@@ -67,7 +67,9 @@ class Stage:
 
     ``describe(value)`` names the value in error messages (e.g. ``"dataset index 7"``);
     ``on_start(worker_id)`` runs once in each worker thread before its first item, and an
-    exception from it stops the pipeline and reaches the consumer.
+    exception from it stops the pipeline and reaches the consumer. ``gate``, where given, says
+    how many of the threads take items (a stage that measures itself on a few of its threads
+    first: :mod:`torch_spdl.auto`); a coroutine function's stage takes none.
     """
 
     name: str
@@ -75,6 +77,7 @@ class Stage:
     concurrency: int = 1
     describe: Callable[[Any], str] | None = None
     on_start: Callable[[int], None] | None = None
+    gate: Gate | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -142,9 +145,11 @@ def map_loop(
     try:
         if not run_on_start(stage, worker, runtime):
             return
-        fn, record = stage.fn, stats.record(worker)
+        fn, record, gate = stage.fn, stats.record(worker), stage.gate
         record.thread = threading.get_ident()
         while True:
+            if gate is not None:
+                gate.wait(worker, runtime.stop)
             seq, value = upstream.get()
             if not is_control(value):
                 try:
