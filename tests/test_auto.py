@@ -238,6 +238,125 @@ def test_a_trial_counts_the_tasks_begun_those_still_running_included():
     assert (trial.measured().started, trial.stage.count) == (3, 3)
 
 
+@pytest.mark.parametrize(
+    ("workers", "gil_enabled", "cpus", "narrow"),
+    [(15, True, 16, True), (4, True, 16, False), (15, False, 16, False), (15, True, 1, False)],
+    ids=["15-threads", "as-few-as-a-trial", "gil-off", "one-core"],
+)
+def test_a_trial_begins_on_a_few_threads_where_the_gil_could_bind_them(
+    workers, gil_enabled, cpus, narrow
+):
+    trial = auto.first_trial(workers, 1, 100, gil_enabled=gil_enabled, cpus=cpus)
+    assert trial.narrow == narrow
+    assert trial.workers == (auto.TRIAL_THREADS if narrow else workers)
+
+
+def test_a_trial_widened_runs_on_every_thread_over_the_tasks_not_begun():
+    trial = auto.first_trial(15, 1, 100, gil_enabled=True, cpus=16)
+    for task in range(10):
+        trial.run(lambda task: task, task)
+    wide = trial.widened()
+    assert (wide.workers, wide.total, wide.narrow) == (15, 90, False)
+    assert wide.stage.count == 0 and wide.consumer.count == 0  # its own figures
+    assert "measured on 4 of its 15 workers" in trial.measured().describe()
+    assert wide.measured().describe().endswith("; 15 workers")
+
+
+def ready_switch(trial: Trial, conclude, make_pool=lambda: None, **kw) -> Switch:
+    """A switch whose trial is ready at its next task."""
+    switch = Switch(
+        lambda task: task * 2,
+        "fetch",
+        start=lambda worker: None,
+        make_pool=make_pool,
+        conclude=conclude,
+        trial=trial,
+        **kw,
+    )
+    switch.on_start(0)
+    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    trial.consumer.count = auto.TRIAL_STEPS
+    trial.stage.count = trial.needed
+    return switch
+
+
+def test_threads_chosen_on_a_few_threads_are_measured_again_on_all_of_them(no_leak):
+    concluded = []
+
+    def conclude(trial: Trial) -> Decision:
+        concluded.append((trial.workers, trial.total))
+        return Decision(THREAD, "test")
+
+    narrow = auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8)
+    switch = ready_switch(narrow, conclude)
+    assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS
+    assert switch(1) == 2  # the narrow trial decides: threads, so far
+    wide = switch.trial
+    assert wide is not None and wide is not narrow and not wide.narrow
+    assert switch.decision is None and switch.route == THREAD
+    assert switch.gate.width >= 8  # every thread takes tasks now
+    wide._began = time.perf_counter() - 1
+    wide.consumer.count, wide.stage.count = auto.TRIAL_STEPS, wide.needed
+    assert switch(2) == 4  # the wide trial decides for good
+    assert concluded == [(4, 100), (8, 100 - narrow.started)]
+    assert switch.trial is None and str(switch.decision).endswith("chose thread: test")
+    switch.close()
+
+
+class HeldStart:
+    """A pool that comes up once released."""
+
+    def __init__(self) -> None:
+        self.release, self.closed = threading.Event(), False
+
+    def __call__(self) -> HeldStart:
+        return self
+
+    def wait_ready(self) -> None:
+        assert self.release.wait(30)
+
+    def close(self) -> None:
+        self.closed = True
+        self.release.set()
+
+
+@pytest.mark.parametrize("hands_over", [False, True])
+def test_a_stage_sent_to_processes_keeps_its_few_threads_until_they_take_over(no_leak, hands_over):
+    """The GIL binds the stage: its few threads do better than all of them while the processes
+    come up; then every thread drives a process of its own. A stage that hands its processes
+    over finishes what it took on as few threads."""
+    pool = HeldStart()
+    trial = auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8)
+    switch = ready_switch(
+        trial, lambda trial: Decision(PROCESS, "test"), make_pool=pool, hands_over=hands_over
+    )
+    assert switch(1) == 2  # decides, and starts the pool
+    assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS
+    assert switch.route == THREAD and switch(2) == 4  # until the pool is up, on the threads
+    assert switch.gate.width == auto.TRIAL_THREADS
+    pool.release.set()
+    switch._starter.join()
+    assert (switch.gate.width >= 8) != hands_over
+    assert switch.route == (THREAD if hands_over else PROCESS)
+    switch.close()
+
+
+@pytest.mark.parametrize("executor", [INLINE, "fails"])
+def test_a_stage_that_stays_in_this_process_widens_to_every_thread(no_leak, executor):
+    make_pool = _NoPool() if executor == "fails" else (lambda: None)
+    decision = Decision(PROCESS if executor == "fails" else executor, "test")
+    switch = ready_switch(
+        auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
+        lambda trial: decision,
+        make_pool=make_pool,
+    )
+    switch(1)
+    if switch._starter is not None:
+        switch._starter.join()
+    assert switch.gate is not None and switch.gate.width >= 8
+    switch.close()
+
+
 class CountingStarter:
     """A pool starter that counts its starts and its fork server's warm-ups (which may fail)."""
 
@@ -493,6 +612,36 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     got, pids = indices_of(loader)
     assert got == expected and os.getpid() not in pids
     assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
+class ThreadedSamples(PythonSamples):
+    """Samples that hold the GIL, tagged with the process and the thread that made them."""
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        return (*super().__getitem__(index), threading.get_ident())
+
+
+@pytest.mark.skipif(not GIL_ON, reason="with the GIL off a trial runs on every thread")
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 6 worker processes")
+def test_a_gil_bound_stage_is_measured_on_a_few_threads_and_only_they_read(
+    quick_switch, no_child_left, monkeypatch
+):
+    """Six workers, a trial on two: until the processes take over (or, where the pass is too
+    short for them, to its end), two threads read every sample this process reads."""
+    monkeypatch.setattr(auto, "TRIAL_THREADS", 2)
+    dataset = ThreadedSamples(3000, 20_000)
+    expected = [batch.tolist() for batch, _, _ in torch.utils.data.DataLoader(dataset, 8)]
+    loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=6)
+    got, threads = [], set()
+    for index, pid, thread in loader:
+        got.append(index.tolist())
+        made = zip(pid.tolist(), thread.tolist(), strict=True)
+        threads.update(ident for maker, ident in made if maker == os.getpid())
+    assert got == expected
+    executor = loader.stats().executor
+    assert executor.startswith("worker_method='auto' chose process"), executor
+    assert "measured on 2 of its 6 workers" in executor
+    assert 1 <= len(threads) <= 2
 
 
 @pytest.mark.parametrize("persistent", [False, True])

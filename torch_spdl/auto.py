@@ -74,6 +74,8 @@ MIN_REMAINING_S = 2.0  # work left in the pass, at thread speed, that pays for s
 TRIAL_S = 0.3  # the least time the trial lasts, once it has enough tasks and steps
 TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
+TRIAL_THREADS = 4  # the threads a trial begins on: a stage the GIL binds on so few goes to
+# processes at once; one it does not is measured again on all its threads
 
 THREAD, PROCESS, INLINE = "thread", "process", "inline"
 NEXT_PASS = "from the next pass (what is left of this one is too short to start them)"
@@ -165,6 +167,7 @@ class Measured:
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
     knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
     started: int = 0  # tasks begun on the threads, those still running there included
+    threads: int = 0  # the stage's threads, where the trial ran on fewer (``workers``) of them
 
     @property
     def busy_cores(self) -> float:
@@ -260,8 +263,13 @@ class Measured:
             f"the GIL {self.consumer_wait:.0%} of its steps and for a core "
             f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
-            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self.workers} workers"
+            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}"
         )
+
+    def _workers(self) -> str:
+        if self.threads > self.workers:
+            return f"measured on {self.workers} of its {self.threads} workers"
+        return f"{self.workers} workers"
 
 
 @dataclass(frozen=True)
@@ -365,6 +373,20 @@ def _for_state(
     return Decision(PROCESS, f"{keeps_state}: {copies}", measured)
 
 
+def first_trial(
+    workers: int, tasks_per_batch: float, total: int | None, *, gil_enabled: bool, cpus: int
+) -> Trial:
+    """The trial a stage of ``workers`` threads begins with: on :data:`TRIAL_THREADS` of them
+    where the GIL is on and processes could run in parallel. On 15 threads that take turns on
+    the GIL, each of the first whole batches takes as long as all of them; on 4, the GIL binds
+    as surely (more threads add to its wait, never take from it), and the first batches come
+    three times sooner. Elsewhere the rule says threads whatever it measures, so a trial on
+    fewer threads would only be repeated on all of them."""
+    if gil_enabled and cpus >= 2 and workers > TRIAL_THREADS:
+        return Trial(TRIAL_THREADS, tasks_per_batch, total, threads=workers)
+    return Trial(workers, tasks_per_batch, total)
+
+
 @dataclass
 class Trial:
     """The figures of the first tasks and training-loop steps of a pass, gathered where they
@@ -373,6 +395,7 @@ class Trial:
     workers: int
     tasks_per_batch: float = 1.0
     total: int | None = None  # the pass's tasks, where its length is known
+    threads: int = 0  # the stage's threads, where the trial runs on fewer (``workers``)
     stage: Tally = field(default_factory=Tally)
     consumer: Tally = field(default_factory=Tally)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -384,6 +407,17 @@ class Trial:
     _knocker: Knocker | None = None
     _stopped: bool = False
     started: int = 0  # tasks begun on the threads: done, or still running there
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the trial runs on fewer threads than the stage has."""
+        return self.threads > self.workers
+
+    def widened(self) -> Trial:
+        """A trial on all the stage's threads, over the tasks this one has not begun."""
+        with self._lock:
+            total = None if self.total is None else max(0, self.total - self.started)
+        return Trial(max(self.threads, self.workers), self.tasks_per_batch, total)
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
@@ -477,6 +511,7 @@ class Trial:
                 now - (self._first_step or now),
                 dataclasses.replace(self.knocks),
                 self.started,
+                self.threads,
             )
 
 

@@ -27,7 +27,7 @@ import torch.utils.data
 from torch.utils.data import IterDataPipe
 
 from . import gil, pass_record, resume
-from .auto import PROCESS, THREAD, Decision, Trial, decide
+from .auto import PROCESS, THREAD, Decision, Trial, cores, decide, first_trial
 from .batching import (
     Assembler,
     FetchTask,
@@ -54,7 +54,15 @@ from .copies import CopyTask, InTurns, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
 from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
 from .hooks import Hooks
-from .pipeline import Failure, Pipeline, PipelineBuilder, SharedSource, Stream, WorkerSource
+from .pipeline import (
+    Failure,
+    Gate,
+    Pipeline,
+    PipelineBuilder,
+    SharedSource,
+    Stream,
+    WorkerSource,
+)
 from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .plan import AUTO, STREAMS, Plan
@@ -70,6 +78,9 @@ from .workers import worker_starter
 
 if TYPE_CHECKING:
     from .dataloader import DataLoader
+
+# a CPU stage's function, its threads' on_start, and its gate (see Switch.gate)
+CpuStage = tuple[Callable[[Any], Any], Callable[[int], None], Gate | None]
 
 
 class _ThreadDataLoaderIter(BaseDataLoaderIter):
@@ -249,13 +260,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return pipeline
 
     def _fetch_pipeline(
-        self, fetch: Callable[[Any], Any], start: Callable[[int], None]
+        self, fetch: Callable[[Any], Any], start: Callable[[int], None], gate: Gate | None = None
     ) -> PipelineBuilder:
         """Batches from the sampler, each read by ``fetch`` (the plan's ``"batches"`` shape)."""
         plan = self._plan
         source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=plan.in_flight)
         builder = PipelineBuilder().add_source(source)
-        self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start)
+        self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start, gate)
         if plan.copies and not plan.in_order:
             builder.add_stream(Stream("turns", InTurns()))
         return builder
@@ -294,10 +305,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
     def _fetch_stage(
         self, loader: DataLoader, pool: ProcessPool | None, start: Callable[[int], None]
-    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
-        """The ``fetch`` stage's function and ``on_start``, and the source's tasks for it."""
+    ) -> CpuStage:
+        """The ``fetch`` stage's function, ``on_start`` and gate, and the source's tasks for
+        it."""
         if self._plan.copies:
-            return self._on_copies(pool), start
+            return self._on_copies(pool), start, None
         self._make_source = fetch_tasks
         if pool is None:
             read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -332,6 +344,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         concurrency: int,
         describe: Callable[[Any], str],
         on_start: Callable[[int], None] | None,
+        gate: Gate | None = None,
     ) -> PipelineBuilder:
         """One of the plan's stages, in the plan's order."""
         order = "input" if self._plan.in_order else "completion"
@@ -342,6 +355,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             output_order=order,
             describe=describe,
             on_start=on_start,
+            gate=gate,
         )
 
     def _pipeline_of(self, builder: PipelineBuilder, pool: ProcessPool | None) -> Pipeline[Any]:
@@ -361,40 +375,45 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         start: Callable[[int], None],
         name: str,
         tasks_per_batch: int,
-    ) -> tuple[Callable[[Any], Any], Callable[[int], None]]:
+    ) -> CpuStage:
         """The CPU stage's function and ``on_start``: as given, or, with ``"auto"``, through a
         :class:`~torch_spdl.switch.Switch` that measures the first batches and may move the stage
-        to worker processes or into the training loop's thread."""
+        to worker processes or into the training loop's thread (and its gate, where the trial
+        runs on a few of the stage's threads)."""
         if self._plan.executor != AUTO:
-            return fn, start
+            return fn, start, None
         decided = self._plan.decision
         inline_possible = name == "fetch" and self._transfer is None
-        total = self._pass_tasks(tasks_per_batch)
+        trial = None
+        if decided is None:
+            total = self._pass_tasks(tasks_per_batch)
+            gil_on = gil.gil_enabled()
+            workers = self._num_workers
+            trial = first_trial(workers, tasks_per_batch, total, gil_enabled=gil_on, cpus=cores())
         make_pool = process_pool(self, loader, self._moved)
         switch = Switch(
             fn,
             name,
             start=start,
             make_pool=make_pool,
-            conclude=self._concluder(loader, inline_possible, total, make_pool.unsafe),
-            trial=None if decided is not None else Trial(self._num_workers, tasks_per_batch, total),
+            conclude=self._concluder(loader, inline_possible, make_pool.unsafe),
+            trial=trial,
             route=THREAD if decided is None else decided.executor,
             hands_over=self._moved is not None,
             keep=loader._auto.keep,
         )
         self._switch = switch
         self.stats_probe.switch = switch
-        return switch, switch.on_start
+        return switch, switch.on_start, switch.gate
 
     def _concluder(
         self,
         loader: DataLoader,
         inline_possible: bool,
-        total: int | None,
         unsafe: Callable[[], str | None],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
-        ``total``: the pass's tasks, if known; ``unsafe`` says why processes must not start
+        ``unsafe`` says why processes must not start
         (:meth:`PoolStarter.unsafe`); it pickles the dataset to look, so it is asked only where
         a trial ends in processes."""
         budget = None
@@ -405,7 +424,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
             # what processes could take: the tasks the threads have not begun
-            remaining = None if total is None else max(0, total - measured.started)
+            remaining = None if trial.total is None else max(0, trial.total - measured.started)
             rule = functools.partial(
                 decide,
                 measured,
@@ -443,7 +462,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         io_seed = int(self._base_seed) + self._num_workers
         io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
         assembler = Assembler(self._auto_collation, self._finish, self._budget)
-        preprocess, start = self._cpu_stage(
+        preprocess, start, gate = self._cpu_stage(
             loader,
             sample_stage(hooks.preprocess, lambda task: task.value)
             if pool is None
@@ -463,7 +482,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         else:
             load = wrap(self._load(loader, hooks), lambda task: task.index)
             self._pipe(builder, load, "load", loader.io_workers, SampleTask.describe, io_start)
-        self._pipe(builder, preprocess, "preprocess", self._num_workers, SampleTask.describe, start)
+        workers, named = self._num_workers, SampleTask.describe
+        self._pipe(builder, preprocess, "preprocess", workers, named, start, gate)
         return builder.add_stream(Stream("collate", assembler, on_restart=assembler.restart))
 
     def _iterable_batch_size(self) -> int | None:

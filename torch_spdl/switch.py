@@ -33,6 +33,7 @@ from typing import Any
 
 from .auto import INLINE, PROCESS, THREAD, Decision, Trial
 from .inherited import in_thread
+from .pipeline import Gate
 from .processes import PoolStarter, ProcessPool
 
 
@@ -71,6 +72,8 @@ class Switch:
         hands_over: bool = False,
         keep: Callable[[Decision], None] = lambda decision: None,
     ) -> None:
+        # a trial on a few threads keeps the others from taking tasks until it has decided
+        self.gate = Gate(trial.workers) if trial is not None and trial.narrow else None
         self._local = local
         self._remote = remote
         self._start = start
@@ -117,6 +120,11 @@ class Switch:
             self.trial = None
             trial.stop()
             decision = self._conclude(trial)
+            if decision.executor == THREAD and trial.narrow:
+                # the GIL does not bind a few threads: whether it binds all of them decides
+                self.trial = trial.widened()
+                self._widen()
+                return
             self.decision = decision
             self._keep(decision)  # processes that come up after this pass serve the next
             # a deferred decision leaves this pass on threads; processes deferred to the next
@@ -129,6 +137,14 @@ class Switch:
                 self._starter.start()
             elif not decision.deferred:
                 self.route = decision.executor
+                self._widen()
+            # a stage that waits for processes, here or from the next pass, is one the GIL
+            # binds: until they take over, its few threads do better than all of them
+
+    def _widen(self) -> None:
+        """Let every thread of the stage take tasks."""
+        if self.gate is not None:
+            self.gate.widen()
 
     def _warm(self) -> None:
         """Start the next pass's fork server (:meth:`PoolStarter.warm`). Where it cannot start,
@@ -157,10 +173,11 @@ class Switch:
         with self._lock:
             if self._closed:  # close() has stopped the pool
                 return
-            if self._hands_over:
+            if self._hands_over:  # the threads finish the batches they took, as few as now
                 self.pool_ready = True
             else:
                 self.route = PROCESS
+                self._widen()  # each thread drives a process of its own
 
     def _fall_back(self, pool: ProcessPool | None, error: Exception) -> None:
         """Stay on threads after ``pool`` failed to start or to come up, and keep that for the
@@ -175,6 +192,7 @@ class Switch:
         if interrupted:
             return
         self._start_error = error
+        self._widen()  # threads for good, as from the next pass
         self.decision = Decision(
             THREAD, f"worker processes could not start ({type(error).__name__}: {error})"
         )
