@@ -285,7 +285,7 @@ def test_threads_chosen_on_a_few_threads_are_measured_again_on_all_of_them(no_le
 
     def conclude(trial: Trial) -> Decision:
         concluded.append((trial.workers, trial.total))
-        return Decision(THREAD, "test")
+        return Decision(THREAD, "test", free=True)
 
     narrow = auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8)
     switch = ready_switch(narrow, conclude)
@@ -301,6 +301,25 @@ def test_threads_chosen_on_a_few_threads_are_measured_again_on_all_of_them(no_le
     assert concluded == [(4, 100), (8, 100 - narrow.started)]
     assert switch.trial is None and str(switch.decision).endswith("chose thread: test")
     switch.close()
+
+
+def test_threads_a_stage_cannot_leave_are_not_measured_again(no_leak):
+    """Bound by the GIL on a few threads but unable to move (a notebook's class, say): more
+    threads would only say so again."""
+    switch = ready_switch(
+        auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
+        lambda trial: decide(measured(stage_wait=0.5), cpus=16, no_processes="no processes here"),
+    )
+    switch(1)
+    assert switch.trial is None and "but no processes here" in str(switch.decision)
+    assert switch.gate is not None and switch.gate.width >= 8  # threads for good, every one
+    switch.close()
+
+
+def test_only_a_stage_the_gil_does_not_bind_is_free():
+    assert decide(measured(stage_wait=0.01), cpus=16).free
+    assert not decide(measured(stage_wait=0.5), cpus=16, no_processes="no processes here").free
+    assert not decide(measured(stage_wait=0.5), cpus=16).free
 
 
 class HeldStart:

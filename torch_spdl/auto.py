@@ -280,6 +280,7 @@ class Decision:
     reason: str
     measured: Measured | None = None
     deferred: bool = False  # from the next pass on: what is left of this one is too short to move
+    free: bool = False  # the GIL did not bind the stage's threads: on more of them, it might
 
     def __str__(self) -> str:
         figures = "" if self.measured is None else f" ({self.measured.describe()})"
@@ -328,7 +329,7 @@ def decide(
             if io and measured.stage_wait >= STAGE_WAIT
             else "the GIL does not bind it"
         )
-        return Decision(THREAD, why, measured)
+        return Decision(THREAD, why, measured, free=True)
     bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
     if inline_possible and measured.batch_cpu_s < INLINE_BATCH_S:
         return Decision(

@@ -120,7 +120,7 @@ class Switch:
             self.trial = None
             trial.stop()
             decision = self._conclude(trial)
-            if decision.executor == THREAD and trial.narrow:
+            if decision.free and trial.narrow:
                 # the GIL does not bind a few threads: whether it binds all of them decides
                 self.trial = trial.widened()
                 self._widen()
