@@ -360,6 +360,19 @@ def test_a_stage_sent_to_processes_keeps_its_few_threads_until_they_take_over(no
     switch.close()
 
 
+def test_a_stage_sent_to_processes_from_the_next_pass_ends_this_one_on_its_few_threads(no_leak):
+    starter = CountingStarter()
+    switch = ready_switch(
+        auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
+        lambda trial: Decision(PROCESS, "test", deferred=True),
+        make_pool=starter,
+    )
+    assert switch(1) == 2
+    switch.close()  # joins the fork server's warm-up
+    assert switch.route == THREAD and starter.warmed == 1
+    assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS
+
+
 @pytest.mark.parametrize("executor", [INLINE, "fails"])
 def test_a_stage_that_stays_in_this_process_widens_to_every_thread(no_leak, executor):
     make_pool = _NoPool() if executor == "fails" else (lambda: None)
