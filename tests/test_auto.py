@@ -676,6 +676,24 @@ def test_a_gil_bound_stage_is_measured_on_a_few_threads_and_only_they_read(
     assert 1 <= len(threads) <= 2
 
 
+@pytest.mark.skipif(not GIL_ON, reason="with the GIL off a trial runs on every thread")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_pass_given_up_during_a_trial_on_a_few_threads_leaves_none_waiting(
+    no_leak, monkeypatch, persistent
+):
+    """Four of six threads wait at the gate when the loop stops: the stop wakes them."""
+    monkeypatch.setattr(auto, "TRIAL_THREADS", 2)
+    loader = torch_spdl.DataLoader(
+        ThreadedSamples(3000, 20_000), batch_size=8, num_workers=6, persistent_workers=persistent
+    )
+    iterator = iter(loader)
+    next(iterator)
+    switch = iterator._switch
+    assert switch is not None and switch.gate is not None and switch.gate.width == 2
+    del iterator, switch
+    del loader  # the persistent workers' pipeline stops with the loader
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_passes_too_short_to_move_in_start_the_next_in_processes(
     no_child_left, monkeypatch, persistent
