@@ -413,9 +413,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         unsafe: Callable[[], str | None],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
-        ``unsafe`` says why processes must not start
-        (:meth:`PoolStarter.unsafe`); it pickles the dataset to look, so it is asked only where
-        a trial ends in processes."""
+        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it pickles
+        the dataset to look, so it is asked only where a trial ends in processes."""
         budget = None
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
