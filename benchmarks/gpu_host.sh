@@ -12,7 +12,8 @@
 #   2. cuda_tests    pytest -m cuda: transfer, pinning, GPU decode (test_io needs av)
 #   3. train_e2e     ResNet-50 (bf16, channels_last) fed by torch, the import swap, the fast
 #                    path and GPU decode, against the model alone (issue 16's end-to-end target,
-#                    issue 18's GPU-decode one); a first pass untimed, its seconds reported
+#                    issue 18's GPU-decode one); a first pass untimed, its seconds reported,
+#                    and the first batch's (a trial on 4 of 15 threads, where "auto" runs one)
 #      train_e2e_persistent  torch, the fast path and GPU decode with persistent_workers=True
 #                    and each file listed 4 times: the timed steps inside one pass, as most of
 #                    a training job's long epochs are, without a short pass's start

@@ -69,6 +69,7 @@ class Run:
     main_cpu_per_1000: float  # CPU s of this process per 1,000 images, the training included
     warmup_s: float = 0.0  # the untimed steps: the loader's start (and, where its first pass is
     # all of them, what worker_method="auto" measured and moved)
+    first_s: float = 0.0  # from the first next() to the first batch: the loader's start
 
 
 class Trainer:
@@ -103,7 +104,7 @@ def timed_steps(
     trainer: Trainer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], warmup: int, steps: int
 ) -> Run:
     """Train on ``warmup + steps`` batches from ``batches``; time the last ``steps``."""
-    waited, began = 0.0, time.perf_counter()
+    waited, began, first = 0.0, time.perf_counter(), 0.0
     for k in range(warmup + steps):
         if k == warmup:
             trainer.sync()
@@ -111,12 +112,13 @@ def timed_steps(
         before = time.perf_counter()
         images, labels = next(batches)
         waited += time.perf_counter() - before
+        first = first or time.perf_counter() - began
         trainer.step(images, labels)
     trainer.sync()
     seconds = time.perf_counter() - start
     images = steps * trainer.batch_size
     cpu_per_1000 = 1000 * (time.process_time() - cpu) / images
-    return Run(images / seconds, waited / seconds, cpu_per_1000, start - began)
+    return Run(images / seconds, waited / seconds, cpu_per_1000, start - began, first)
 
 
 def model_alone(trainer: Trainer, warmup: int, steps: int) -> Run:
@@ -201,7 +203,8 @@ def rounds(
 def describe(run: Run) -> str:
     return (
         f"{run.images_per_s:,.0f} img/s, stall {100 * run.stall:.1f} %, "
-        f"main CPU {run.main_cpu_per_1000:.2f} s/1k, warm-up {run.warmup_s:.1f} s"
+        f"main CPU {run.main_cpu_per_1000:.2f} s/1k, warm-up {run.warmup_s:.1f} s, "
+        f"first batch {run.first_s:.2f} s"
     )
 
 
@@ -216,18 +219,19 @@ def table(runs: dict[str, list[Run]], trainer: Trainer, args: argparse.Namespace
         + (", persistent workers" if args.persistent else ""),
         "",
         "| loader | img/s | × torch | % of model alone | data stall | main CPU s/1k img "
-        "| warm-up (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| warm-up (s) | first batch (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, found in runs.items():
         rate = statistics.median(r.images_per_s for r in found)
         stall = statistics.median(r.stall for r in found)
         cpu = statistics.median(r.main_cpu_per_1000 for r in found)
         warmup = statistics.median(r.warmup_s for r in found)
+        first = statistics.median(r.first_s for r in found)
         ratio = f"{rate / torch_rate:.2f}" if torch_rate else ""
         lines.append(
             f"| {name} | {rate:,.0f} | {ratio} | {100 * rate / limit:.0f} % | "
-            f"{100 * stall:.1f} % | {cpu:.2f} | {warmup:.1f} |"
+            f"{100 * stall:.1f} % | {cpu:.2f} | {warmup:.1f} | {first:.2f} |"
         )
     return "\n".join(lines)
 
