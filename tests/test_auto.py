@@ -219,7 +219,7 @@ def test_a_trial_of_long_tasks_needs_one_per_worker():
 
 def test_a_trial_counts_the_tasks_begun_those_still_running_included():
     """What processes could take is what the threads have not begun: a task they run stays."""
-    trial = Trial(2)
+    trial = Trial(2, total=10)
     running, release = threading.Event(), threading.Event()
 
     def slow(task: int) -> int:
@@ -231,11 +231,11 @@ def test_a_trial_counts_the_tasks_begun_those_still_running_included():
     thread.start()
     running.wait()
     assert [trial.run(lambda task: task, task) for task in (1, 2)] == [1, 2]
-    measured = trial.measured()
-    assert (measured.started, measured.stage.count) == (3, 2)
+    assert (trial.remaining(), trial.measured().stage.count) == (7, 2)
     release.set()
     thread.join()
-    assert (trial.measured().started, trial.stage.count) == (3, 3)
+    assert (trial.remaining(), trial.stage.count) == (7, 3)
+    assert Trial(2).remaining() is None  # a pass of unknown length
 
 
 @pytest.mark.parametrize(

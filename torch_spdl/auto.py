@@ -166,7 +166,6 @@ class Measured:
     tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
     knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
-    started: int = 0  # tasks begun on the threads, those still running there included
     threads: int = 0  # the stage's threads, where the trial ran on fewer (``workers``) of them
 
     @property
@@ -414,11 +413,14 @@ class Trial:
         """Whether the trial runs on fewer threads than the stage has."""
         return self.threads > self.workers
 
+    def remaining(self) -> int | None:
+        """The pass's tasks not begun yet (None where its length is not known)."""
+        with self._lock:
+            return None if self.total is None else max(0, self.total - self.started)
+
     def widened(self) -> Trial:
         """A trial on all the stage's threads, over the tasks this one has not begun."""
-        with self._lock:
-            total = None if self.total is None else max(0, self.total - self.started)
-        return Trial(max(self.threads, self.workers), self.tasks_per_batch, total)
+        return Trial(max(self.threads, self.workers), self.tasks_per_batch, self.remaining())
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
@@ -511,7 +513,6 @@ class Trial:
                 self.tasks_per_batch,
                 now - (self._first_step or now),
                 dataclasses.replace(self.knocks),
-                self.started,
                 self.threads,
             )
 

@@ -422,14 +422,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
-            # what processes could take: the tasks the threads have not begun
-            remaining = None if trial.total is None else max(0, trial.total - measured.started)
             rule = functools.partial(
                 decide,
                 measured,
                 gil_enabled=gil.gil_enabled(),
                 inline_possible=inline_possible,
-                remaining_tasks=remaining,
+                remaining_tasks=trial.remaining(),  # what processes could take
                 keeps_state=None if watch is None else watch.describe(),
             )
             decision = rule(no_processes=budget or (None if watch is None else watch.no_copies()))
