@@ -449,6 +449,21 @@ def test_random_resized_crop_of_bytes_is_the_decoded_images_crop(fmt):
         assert same_up_to_rounding(out, want.flip(-1) if flip else want)
 
 
+def test_random_resized_crop_refuses_what_decode_image_refuses():
+    """The bytes are read without a tensor made of them, and checked alike."""
+    for bad, error, match in [
+        (b"", ValueError, "empty"),
+        (torch.zeros(0, dtype=torch.uint8), ValueError, "empty"),
+        (torch.zeros(10, dtype=torch.int32), ValueError, "1-D uint8"),
+        (torch.zeros(2, 5, dtype=torch.uint8), ValueError, "1-D uint8"),
+        ("photo.jpg", TypeError, "str"),
+    ]:
+        with pytest.raises(error, match=match):
+            decode_image(bad)
+        with pytest.raises(error, match=match):
+            RandomResizedCrop(224)(bad)
+
+
 def test_random_resized_crop_flips_half_the_time_and_checks_its_arguments():
     torch.manual_seed(0)
     crop = RandomResizedCrop((32, 48), scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))

@@ -113,6 +113,28 @@ def test_random_resized_crop_gives_the_same_pixels_either_way(name):
     assert all(out[None].is_contiguous(memory_format=torch.channels_last) for out in alone)
 
 
+@needs_it
+def test_a_crop_decoded_alone_reads_its_bytes_without_a_torch_call(monkeypatch):
+    """Before the decode, the transform only reads headers: through NumPy, since every torch
+    call (wrapping the bytes in a tensor, ``Tensor.numpy()``) lets the GIL go, a hand-off to
+    another thread wherever threads wait for it. The same crop comes from bytes, a bytearray
+    and a tensor."""
+    data = jpegs()["375x500 4:2:0"]
+    transform = RandomResizedCrop(64)
+    torch.manual_seed(0)
+    want = transform(tensor_of(data))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a torch call before the decode")
+
+    monkeypatch.setattr(torch, "frombuffer", refused)
+    monkeypatch.setattr(torch.Tensor, "numpy", refused)
+    for given in (data, bytearray(data), memoryview(data)):
+        torch.manual_seed(0)
+        assert torch.equal(transform(given), want)
+    assert data == jpegs()["375x500 4:2:0"]  # read, never written
+
+
 # libjpeg warns of the marker, stops reading the scan and leaves the rest of the image grey; the
 # whole decode raises for it when it finishes, the region decode returns what it has
 READ_GREY = {"unknown marker in its scan"}

@@ -31,6 +31,7 @@ import struct
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,8 +44,9 @@ from .image import (
     _decode,
     _starts_with,
     byte_tensor,
+    encoded_array,
 )
-from .jpeg import check_jpeg, jpeg_dimensions
+from .jpeg import Encoded, as_array, check_jpeg, jpeg_dimensions
 from .region import region_decoder
 
 TRIES = 10  # RandomResizedCrop's tries before it falls back to a centre crop
@@ -127,15 +129,15 @@ def _resized(crop: torch.Tensor, size: tuple[int, int], antialias: bool) -> torc
     return out[0]
 
 
-def image_size(encoded: torch.Tensor) -> tuple[int, int] | None:
+def image_size(encoded: Encoded) -> tuple[int, int] | None:
     """``(height, width)`` from a JPEG's or PNG's header; None for other formats."""
-    if _starts_with(encoded, _PNG_MAGIC):
-        data = encoded.numpy()  # not torch slices: each would be a tensor to free
+    data = as_array(encoded)  # not torch slices: each would be a tensor to free
+    if _starts_with(data, _PNG_MAGIC):
         if len(data) < 24 or data[12:16].tobytes() != b"IHDR":
             return None
         width, height = struct.unpack(">II", data[16:24].tobytes())
         return height, width
-    return jpeg_dimensions(encoded) if _starts_with(encoded, _JPEG_MAGIC) else None
+    return jpeg_dimensions(data) if _starts_with(data, _JPEG_MAGIC) else None
 
 
 class RandomResizedCrop:
@@ -198,44 +200,43 @@ class RandomResizedCrop:
             region_decoder()
 
     def __call__(self, data: ImageData) -> torch.Tensor | EncodedImage:
-        encoded = byte_tensor(data)
-        size = image_size(encoded)
+        # the headers are read, and the crop decoded, from a NumPy view: each torch call lets
+        # the GIL go, and where threads wait for it each is a hand-off (a context switch)
+        raw = encoded_array(data)
+        size = image_size(raw)
         image = None
         if size is None:  # neither JPEG nor PNG: the size is known once decoded
-            image = _decode(encoded, self.mode)
+            image = _decode(byte_tensor(data), self.mode)
             size = (image.shape[-2], image.shape[-1])
-        # the crop's tries and the flip in one draw: each torch call lets the GIL go, and
-        # where threads wait for it each is a hand-off (one context switch per image fewer)
+        # the crop's tries and the flip in one draw, for the same reason
         draws = torch.rand(TRIES * 4 + 1).tolist()
         box = _box_from(*size, self.scale, self.ratio, draws)
         flip = draws[-1] < self.flip
         if self._deferred():
-            if _starts_with(encoded, _JPEG_MAGIC):
-                check_jpeg(encoded)  # a file that would fail the batch fails its sample here
+            if _starts_with(raw, _JPEG_MAGIC):
+                check_jpeg(raw)  # a file that would fail the batch fails its sample here
             assert self.decode_on is not None  # _deferred() says so
-            return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on)
-        out = self._region(encoded, size, box) if image is None else None
+            return EncodedImage(byte_tensor(data), box, flip, self.size, self.mode, self.decode_on)
+        out = self._region(raw, size, box) if image is None else None
         if out is None:
-            out = self._whole(encoded, image, size, box)
+            out = self._whole(data, image, size, box)
         return out.flip(-1) if flip else out
 
-    def _region(
-        self, encoded: torch.Tensor, size: tuple[int, int], box: Box
-    ) -> torch.Tensor | None:
+    def _region(self, raw: np.ndarray, size: tuple[int, int], box: Box) -> torch.Tensor | None:
         """The crop decoded alone (:mod:`torch_spdl.io.region`) and resized; None where that
         does not apply: no region decoder, not an RGB JPEG, or a file it refuses."""
         decode = region_decoder() if self.region else None
-        if decode is None or self.mode != "RGB" or not _starts_with(encoded, _JPEG_MAGIC):
+        if decode is None or self.mode != "RGB" or not _starts_with(raw, _JPEG_MAGIC):
             return None
-        region = decode(encoded, size, box)
+        region = decode(raw, size, box)
         return None if region is None else _resized(region, self.size, self.antialias)
 
     def _whole(
-        self, encoded: torch.Tensor, image: torch.Tensor | None, size: tuple[int, int], box: Box
+        self, data: ImageData, image: torch.Tensor | None, size: tuple[int, int], box: Box
     ) -> torch.Tensor:
         """The whole image decoded (unless it already is), then cropped and resized."""
         if image is None:
-            image = _decode(encoded, self.mode)
+            image = _decode(byte_tensor(data), self.mode)
         if tuple(image.shape[-2:]) != size:
             raise ValueError(
                 f"the image decodes to {tuple(image.shape[-2:])} pixels, but its header says {size}"

@@ -22,13 +22,14 @@ import io
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode
 from torchvision.io import decode_image as _tv_decode
 from torchvision.transforms.v2.functional import pil_to_tensor, to_dtype
 
-from .jpeg import jpeg_dimensions
+from .jpeg import Encoded, as_array, jpeg_dimensions
 from .resize import Size, output_size, resize
 
 Mode = Literal["RGB", "RGBA", "L", "LA"]
@@ -109,32 +110,46 @@ def decode_image(
 def byte_tensor(data: ImageData) -> torch.Tensor:
     """A 1-D uint8 CPU tensor over ``data``, without a copy where the buffer is writable."""
     if isinstance(data, torch.Tensor):
-        if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
-            raise ValueError(
-                "an encoded image tensor must be 1-D uint8 on the CPU, got "
-                f"{data.dtype} of shape {tuple(data.shape)} on {data.device}"
-            )
-        tensor = data.contiguous()
-    elif isinstance(data, (bytes, bytearray, memoryview)):
-        view = memoryview(data).cast("B")
-        if len(view) == 0:
-            raise ValueError("cannot decode an image from empty data")
-        tensor = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-    else:
+        return _checked_tensor(data)
+    view = _byte_view(data)
+    return torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+
+
+def encoded_array(data: ImageData) -> np.ndarray:
+    """A 1-D uint8 NumPy array over ``data`` (read-only for ``bytes``), checked as
+    :func:`byte_tensor` checks it. For bytes-like data no torch call is made: each lets the GIL
+    go, and a transform that only reads headers before its decode needs none."""
+    if isinstance(data, torch.Tensor):
+        return _checked_tensor(data).numpy()
+    return np.frombuffer(_byte_view(data), dtype=np.uint8)
+
+
+def _checked_tensor(data: torch.Tensor) -> torch.Tensor:
+    if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
+        raise ValueError(
+            "an encoded image tensor must be 1-D uint8 on the CPU, got "
+            f"{data.dtype} of shape {tuple(data.shape)} on {data.device}"
+        )
+    if data.numel() == 0:
+        raise ValueError("cannot decode an image from empty data")
+    return data.contiguous()
+
+
+def _byte_view(data: ImageData) -> memoryview:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"decode_image takes bytes, bytearray, memoryview or a uint8 tensor, got "
             f"{type(data).__name__}"
         )
-    if tensor.numel() == 0:
+    view = memoryview(data).cast("B")
+    if len(view) == 0:
         raise ValueError("cannot decode an image from empty data")
-    return tensor
+    return view
 
 
-def _starts_with(encoded: torch.Tensor, magic: bytes) -> bool:
-    """Whether the bytes begin with ``magic``, read through NumPy: a torch slice would be a
-    tensor of its own, and freeing a tensor lets the GIL go (torch releases it around the
-    destructor), which beside a thread that holds the GIL can be a hand-off."""
-    return encoded.numpy()[: len(magic)].tobytes() == magic
+def _starts_with(encoded: Encoded, magic: bytes) -> bool:
+    """Whether the bytes begin with ``magic``, read through NumPy (see :func:`as_array`)."""
+    return as_array(encoded)[: len(magic)].tobytes() == magic
 
 
 # -- torchvision path --------------------------------------------------------------------------

@@ -48,6 +48,17 @@ _TRUNCATED = "is truncated: no end marker after its scan"
 
 Segment = tuple[int, int, int]  # marker, offset of its payload, payload length
 MAX_BLOCKS_IN_MCU = 10  # libjpeg's limit on an interleaved scan's blocks per MCU
+Encoded = torch.Tensor | np.ndarray  # a 1-D uint8 tensor, or a NumPy array of the bytes
+
+
+def as_array(encoded: Encoded) -> np.ndarray:
+    """The bytes as a NumPy array: ``encoded`` itself, or the tensor's view.
+
+    Headers are read through NumPy, not torch: every torch call (``Tensor.numpy()`` and slicing
+    among them) lets the GIL go and takes it back, and where other threads wait for the GIL each
+    is a hand-off. So a caller reading several headers of one image makes the array once.
+    """
+    return encoded if isinstance(encoded, np.ndarray) else encoded.numpy()
 
 
 @dataclass(frozen=True)
@@ -59,12 +70,12 @@ class Component:
     table: int
 
 
-def jpeg_dimensions(encoded: torch.Tensor) -> tuple[int, int] | None:
+def jpeg_dimensions(encoded: Encoded) -> tuple[int, int] | None:
     """``(height, width)`` from a JPEG's start-of-frame segment, or ``None`` if not found.
 
     Walks the marker segments before the scan data; nothing is decoded.
     """
-    data = encoded.numpy()
+    data = as_array(encoded)
     buf = data.data  # a memoryview: indexing it gives ints, fast
     try:
         for marker, start, length in _segments(data):
@@ -77,10 +88,10 @@ def jpeg_dimensions(encoded: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def check_jpeg(encoded: torch.Tensor) -> None:
+def check_jpeg(encoded: Encoded) -> None:
     """Raise ``ValueError`` naming what is wrong if libjpeg would refuse the JPEG ``encoded``
     before decoding its data (see the module); return quietly otherwise."""
-    data = encoded.numpy()
+    data = as_array(encoded)
     try:
         _check(data)
     except ValueError as error:

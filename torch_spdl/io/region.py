@@ -35,14 +35,16 @@ import numpy as np
 import torch
 
 from .device_decode import Box
+from .jpeg import Encoded, as_array
 
 _EOI = b"\xff\xd9"
 _VERBOSITY = "PYNVIMGCODEC_VERBOSITY"
 
-# an encoded JPEG (1-D uint8 tensor), its (height, width) as its header says, and a box in those
-# pixels → the box's RGB pixels, uint8 ``1×3×H×W`` channels-last (the resize's input); None where
-# the decoder refuses the file or sees another size (the caller's whole decode names the problem)
-RegionDecode = Callable[[torch.Tensor, tuple[int, int], Box], "torch.Tensor | None"]
+# an encoded JPEG (1-D uint8 tensor or NumPy array), its (height, width) as its header says, and a
+# box in those pixels → the box's RGB pixels, uint8 ``1×3×H×W`` channels-last (the resize's
+# input); None where the decoder refuses the file or sees another size (the caller's whole decode
+# names the problem)
+RegionDecode = Callable[[Encoded, tuple[int, int], Box], "torch.Tensor | None"]
 
 
 @functools.cache
@@ -108,10 +110,8 @@ class _Decoder:
         )
         self._local = threading.local()
 
-    def __call__(
-        self, encoded: torch.Tensor, size: tuple[int, int], box: Box
-    ) -> torch.Tensor | None:
-        data = encoded.numpy()
+    def __call__(self, encoded: Encoded, size: tuple[int, int], box: Box) -> torch.Tensor | None:
+        data = as_array(encoded)
         if data[-2:].tobytes() != _EOI:  # truncated, or data after its end
             return None
         try:
