@@ -97,7 +97,7 @@ def batch_rows() -> dict[str, Callable[[], object]]:
     packed = torch.randint(0, 256, (sum(lengths),), dtype=torch.uint8)
     ends = itertools.accumulate(lengths)
     views = [packed[end - n : end] for end, n in zip(ends, lengths, strict=True)]
-    draws = [((0, 0, 8, 8), False)] * PARTS
+    draws = [((0, 0, 8, 8), False, True)] * PARTS
     cpu = torch.device("cpu")
     return {
         "collate_images (one torch.stack)": lambda: collate_images(images, batch()),

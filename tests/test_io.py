@@ -578,14 +578,35 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     assert len(storages) == 1 and received.images[0].data.is_shared()
     for got, sent in zip(received.images, encoded.images, strict=True):
         assert torch.equal(got.data, sent.data)
-        assert (got.box, got.flip, got.size, got.mode, got.device) == (
+        assert (got.box, got.flip, got.size, got.mode, got.device, got.jpeg) == (
             sent.box,
             sent.flip,
             sent.size,
             sent.mode,
             sent.device,
+            sent.jpeg,
         )
     assert torch.equal(received.decode(), encoded.decode())
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_the_transfer_stage_takes_which_images_are_jpegs_from_the_crop(monkeypatch):
+    """The crop read the header in preprocess; the transfer stage, beside the training loop,
+    does not read each image's bytes again (a torch call per image, each letting the GIL go),
+    whether the batch was made here or came from a worker process."""
+    torch.manual_seed(0)
+    data = [*varied_images() * 12, encode(Image.fromarray(photo(90, 130)), "PNG")]
+    local = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
+    assert [image.jpeg for image in local.images] == [True] * (len(data) - 1) + [False]
+    received = pickle.loads(messages.dumps(local, reply=True))
+    want = local.decode()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the bytes were read again")
+
+    monkeypatch.setattr(device_decode, "_starts_with", refused)
+    assert torch.equal(local.decode(), want)
+    assert torch.equal(received.decode(), want)
 
 
 @pytest.mark.usefixtures("sends_shared_memory")

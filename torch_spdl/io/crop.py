@@ -213,10 +213,12 @@ class RandomResizedCrop:
         box = _box_from(*size, self.scale, self.ratio, draws)
         flip = draws[-1] < self.flip
         if self._deferred():
-            if _starts_with(raw, _JPEG_MAGIC):
+            jpeg = _starts_with(raw, _JPEG_MAGIC)
+            if jpeg:
                 check_jpeg(raw)  # a file that would fail the batch fails its sample here
             assert self.decode_on is not None  # _deferred() says so
-            return EncodedImage(byte_tensor(data), box, flip, self.size, self.mode, self.decode_on)
+            encoded = byte_tensor(data)
+            return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on, jpeg)
         out = self._region(raw, size, box) if image is None else None
         if out is None:
             out = self._whole(data, image, size, box)

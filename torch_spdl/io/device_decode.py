@@ -66,6 +66,10 @@ class EncodedImage:
     size: tuple[int, int]  # the output's (height, width)
     mode: Mode
     device: torch.device  # where the transfer stage decodes it
+    # whether the bytes are a JPEG's, where the maker read them (None: the decode reads them);
+    # known, the transfer stage makes no torch call per image to find out (each lets the GIL
+    # go, beside the training loop)
+    jpeg: bool | None = None
 
 
 class EncodedBatch(FinishedOnDevice):
@@ -96,7 +100,10 @@ class EncodedBatch(FinishedOnDevice):
     def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The batch decoded, cropped, resized and flipped on ``device`` (default: its own)."""
         device = torch.device(device) if device is not None else self.device
-        decoded = decode_all([image.data for image in self.images], self.mode, device)
+        images = self.images
+        decoded = decode_all(
+            [image.data for image in images], self.mode, device, [image.jpeg for image in images]
+        )
         boxes, flips = [image.box for image in self.images], [image.flip for image in self.images]
         return crop_batch(decoded, boxes, self.size, flips)
 
@@ -117,14 +124,14 @@ class EncodedBatch(FinishedOnDevice):
         one, the images would be hundreds of small tensors copied through the pipe."""
         lengths = [len(image.data) for image in self.images]
         packed = torch.cat([image.data.view(-1) for image in self.images])
-        draws = [(image.box, image.flip) for image in self.images]
+        draws = [(image.box, image.flip, image.jpeg) for image in self.images]
         return _unpacked, (packed, lengths, draws, self.size, self.mode, self.device)
 
 
 def _unpacked(
     packed: torch.Tensor,
     lengths: list[int],
-    draws: list[tuple[Box, bool]],
+    draws: list[tuple[Box, bool, bool | None]],
     size: tuple[int, int],
     mode: Mode,
     device: torch.device,
@@ -138,19 +145,30 @@ def _unpacked(
     ends = itertools.accumulate(lengths)
     batch = EncodedBatch(
         [
-            EncodedImage(packed[end - length : end], box, flip, size, mode, device)
-            for end, length, (box, flip) in zip(ends, lengths, draws, strict=True)
+            EncodedImage(packed[end - length : end], box, flip, size, mode, device, jpeg)
+            for end, length, (box, flip, jpeg) in zip(ends, lengths, draws, strict=True)
         ]
     )
     batch._packed = packed  # finish_on gives it back if it came in a segment of its own
     return batch
 
 
-def decode_all(encoded: list[torch.Tensor], mode: Mode, device: torch.device) -> list[torch.Tensor]:
-    """Each image decoded to ``mode`` on ``device``: the JPEGs in one batched call."""
+def decode_all(
+    encoded: list[torch.Tensor],
+    mode: Mode,
+    device: torch.device,
+    jpeg: Sequence[bool | None] | None = None,
+) -> list[torch.Tensor]:
+    """Each image decoded to ``mode`` on ``device``: the JPEGs in one batched call. ``jpeg``
+    says which are JPEGs where known (:attr:`EncodedImage.jpeg`); the others are read."""
     read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
     decode = batch_decoder(device)
-    jpegs = [i for i, data in enumerate(encoded) if _starts_with(data, _JPEG_MAGIC)]
+    known = [None] * len(encoded) if jpeg is None else jpeg
+    jpegs = [
+        i
+        for i, (data, is_jpeg) in enumerate(zip(encoded, known, strict=True))
+        if (_starts_with(data, _JPEG_MAGIC) if is_jpeg is None else is_jpeg)
+    ]
     images: list[torch.Tensor | None] = [None] * len(encoded)
     if jpegs and decode is not None and mode in ("RGB", "L"):
         try:
