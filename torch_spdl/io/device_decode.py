@@ -104,7 +104,7 @@ class EncodedBatch(FinishedOnDevice):
         decoded = decode_all(
             [image.data for image in images], self.mode, device, [image.jpeg for image in images]
         )
-        boxes, flips = [image.box for image in self.images], [image.flip for image in self.images]
+        boxes, flips = [image.box for image in images], [image.flip for image in images]
         return crop_batch(decoded, boxes, self.size, flips)
 
     def finish_on(self, device: torch.device) -> torch.Tensor:
