@@ -5,8 +5,8 @@ with each other and with the training loop, whose Python launches the model's ke
 a dataset is cannot be read off its type, so the stage measures itself on its first batches, run
 on its threads as usual (and delivered as usual), then picks one of three executors:
 
-- **processes** when the GIL binds: the stage's threads spend a large share of their time
-  waiting for the GIL (:data:`STAGE_WAIT`: more threads would add nothing), or they run on a CPU
+- **processes** when the GIL binds: the stage's threads spend a share of their time waiting
+  for the GIL (:data:`STAGE_WAIT`: processes would not wait), or they run on a CPU
   but the process never keeps more than one core busy (:data:`ONE_CORE`: they take turns on
   the GIL, and the ones waiting may not even get to start a task), or a thread that wants the
   GIL now and then spends :data:`GIL_BUSY` of its time waiting for it (the GIL is rarely free:
@@ -55,7 +55,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGE_WAIT = 0.2  # share of a stage thread's time spent waiting for the GIL: it does not scale
+STAGE_WAIT = 0.05  # share of a stage thread's time spent waiting for the GIL: processes have it
+# back, and the hand-offs' CPU with it (2 cores, CPU-bound: threads at 4-9 % lost 3-15 % of
+# the processes' speed; work that frees the GIL reads 1-4 %)
 CONSUMER_CPU = 0.05  # share of its time the training loop is on a CPU: it needs the GIL
 CONSUMER_WAIT = 0.08  # share of its steps the training loop waits for the GIL (3-5 % beside
 # work that frees the GIL, 9-13 % beside PIL's on 2 cores)
@@ -390,14 +392,22 @@ def first_trial(
 @dataclass
 class Trial:
     """The figures of the first tasks and training-loop steps of a pass, gathered where they
-    happen (the stage's threads, the consumer's thread) until :meth:`ready`."""
+    happen (the stage's threads, the consumer's thread) until :meth:`ready`.
+
+    Each thread's first task is run and delivered but left out of the figures (``first``): it
+    pays what the process does once (imports under the import lock, libraries setting
+    themselves up), which its other threads wait for meanwhile. Counted, that read as a wait
+    for the GIL of 20-27 % in the first loader of a process, whose later loaders' trials read
+    1-9 % on the same work (docs/performance.md, "A thread's first task")."""
 
     workers: int
     tasks_per_batch: float = 1.0
     total: int | None = None  # the pass's tasks, where its length is known
     threads: int = 0  # the stage's threads, where the trial runs on fewer (``workers``)
-    stage: Tally = field(default_factory=Tally)
+    stage: Tally = field(default_factory=Tally)  # the tasks past each thread's first
+    first: Tally = field(default_factory=Tally)  # each thread's first task
     consumer: Tally = field(default_factory=Tally)
+    warmed: set[int] = field(default_factory=set)  # the threads past their first task
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _began: float | None = None
     _process_cpu: float = 0.0
@@ -420,7 +430,10 @@ class Trial:
 
     def widened(self) -> Trial:
         """A trial on all the stage's threads, over the tasks this one has not begun."""
-        return Trial(max(self.threads, self.workers), self.tasks_per_batch, self.remaining())
+        with self._lock:
+            warmed = set(self.warmed)
+        wide = max(self.threads, self.workers)
+        return Trial(wide, self.tasks_per_batch, self.remaining(), warmed=warmed)
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
@@ -434,8 +447,10 @@ class Trial:
             return fn(task)
         finally:
             end = ThreadClock.read()
+            thread = threading.get_ident()
             with self._lock:
-                self.stage.add(begin, end)
+                (self.stage if thread in self.warmed else self.first).add(begin, end)
+                self.warmed.add(thread)
 
     def step_ended(self) -> None:
         """The training loop asks for a batch: the step since the last one ends here."""
@@ -494,10 +509,12 @@ class Trial:
     def _enough_tasks(self) -> bool:
         """:attr:`needed` tasks done, or one per worker where they take :data:`TRIAL_S` or more
         each: a batch of large images on many threads that take turns on the GIL can take
-        seconds, and a second round of them would double the trial for no new figure."""
-        count = self.stage.count
-        return count >= self.needed or (
-            count >= self.workers and self.stage.wall >= TRIAL_S * count
+        seconds, and a second round of them would double the trial for no new figure. Either
+        way, one task at least past its thread's first, for the figures."""
+        measured = self.stage.count
+        done = measured + self.first.count
+        return measured > 0 and (
+            done >= self.needed or (done >= self.workers and self.stage.wall >= TRIAL_S * measured)
         )
 
     def measured(self) -> Measured:
