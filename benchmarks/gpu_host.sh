@@ -39,7 +39,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl av nvidia-nvimgcodec-cu13 'nvidia-nvjpeg>=13'
+#     --platform manylinux2014_x86_64 -d .whl av nvidia-nvimgcodec-cu13 'nvidia-nvjpeg>=13' threadpoolctl
 # (about 61 MiB with the repository: the device takes 64.) Then, on the device tool:
 #   run(command="bash benchmarks/gpu_host.sh", carry=[".whl"], timeout_s=600)
 # Without a GPU the CUDA steps skip or say so, which is how this script is checked off one.

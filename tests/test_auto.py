@@ -263,7 +263,7 @@ def test_a_threads_first_task_is_delivered_but_not_measured():
         firsts = [pool.submit(trial.run, first, i) for i, pool in enumerate((one, other))]
         results = [future.result() for future in firsts]
         for pool, indices in ((one, range(2, 11)), (other, range(11, 20))):
-            results += pool.submit(lambda: [trial.run(later, i) for i in indices]).result()
+            results += pool.submit(lambda run=indices: [trial.run(later, i) for i in run]).result()
     assert results == list(range(20))  # every task delivered, the first ones too
     assert (trial.first.count, trial.stage.count, done(trial)) == (2, 18, 20)
     assert trial.first.waiting_s >= 0.04  # one of the first two waited for the other

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import server_mark
+import threadpoolctl
 import torch
 import torchvision
 from index_datasets import WaitsAt, WhereRead
@@ -461,6 +462,35 @@ def test_persistent_workers_keep_their_processes_across_epochs():
     third = {pid for batch in loader for pid in batch.tolist()}
     assert third.isdisjoint(first) and len(third) == 2
     del loader
+
+
+class BlasThreads(Dataset):
+    """The BLAS threads of the process that reads each item, the fewest and the most over its
+    libraries (NumPy's OpenBLAS, an MKL)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.tensor(blas_threads())
+
+
+def blas_threads() -> tuple[int, int]:
+    counts = [
+        lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"
+    ]
+    return min(counts), max(counts)
+
+
+def test_a_worker_process_runs_blas_on_one_thread_and_the_main_process_keeps_its_own():
+    """As torch's workers run torch's kernels on one thread (N workers keep N cores busy),
+    ours run NumPy's BLAS on one; the training loop's process keeps its count."""
+    before = blas_threads()
+    if before[1] < 2:
+        pytest.skip("BLAS already runs on one thread here: nothing to limit")
+    loader = ours(BlasThreads(), batch_size=1, num_workers=2)
+    assert [batch.tolist() for batch in loader] == [[[1, 1]]] * 4
+    assert blas_threads() == before
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from multiprocessing import connection, util
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import threadpoolctl
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
@@ -141,6 +142,18 @@ def _worker_main(
         conn.close()
 
 
+def single_threaded_blas() -> None:
+    """One thread for each BLAS loaded in this worker process (NumPy's OpenBLAS, an MKL), as
+    ``torch.set_num_threads(1)`` gives torch's kernels: N workers already keep N cores busy,
+    and a BLAS that starts a helper per core in each of them only oversubscribes the cores,
+    its helpers spinning while they wait: a NumPy matmul per sample ran 3× faster on 2 worker
+    processes with one BLAS thread each (docs/performance.md, "One BLAS thread per worker
+    process"). torch's workers leave BLAS alone. threadpoolctl finds the libraries by what is
+    loaded, under every symbol prefix their wheels use; one a dataset loads later keeps its
+    default."""
+    threadpoolctl.threadpool_limits(limits=1, user_api="blas")
+
+
 def _start_worker(
     job: Job,
     worker: int,
@@ -150,6 +163,7 @@ def _start_worker(
 ) -> Reply:
     """Seeds, ``get_worker_info()`` and ``worker_init_fn``, in torch's order and with its seeds."""
     torch.set_num_threads(1)
+    single_threaded_blas()
     seed = base_seed + worker
     random.seed(seed)
     torch.manual_seed(seed)
