@@ -398,7 +398,7 @@ class Trial:
     pays what the process does once (imports under the import lock, libraries setting
     themselves up), which its other threads wait for meanwhile. Counted, that read as a wait
     for the GIL of 20-27 % in the first loader of a process, whose later loaders' trials read
-    1-9 % on the same work (docs/performance.md, "A thread's first task")."""
+    1-9 % on the same work (docs/performance.md, "Threads that wait a little for the GIL")."""
 
     workers: int
     tasks_per_batch: float = 1.0

@@ -147,8 +147,8 @@ def single_threaded_blas() -> None:
     ``torch.set_num_threads(1)`` gives torch's kernels: N workers already keep N cores busy,
     and a BLAS that starts a helper per core in each of them only oversubscribes the cores,
     its helpers spinning while they wait: a NumPy matmul per sample ran 3× faster on 2 worker
-    processes with one BLAS thread each (docs/performance.md, "One BLAS thread per worker
-    process"). torch's workers leave BLAS alone. threadpoolctl finds the libraries by what is
+    processes with one BLAS thread each (docs/performance.md, "Threads that wait a little for
+    the GIL"). torch's workers leave BLAS alone. threadpoolctl finds the libraries by what is
     loaded, under every symbol prefix their wheels use; one a dataset loads later keeps its
     default."""
     threadpoolctl.threadpool_limits(limits=1, user_api="blas")
