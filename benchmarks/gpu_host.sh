@@ -32,6 +32,9 @@
 #   7. server_start  what a fork server's start is made of: a fresh interpreter importing torch,
 #                    torchvision and torch_spdl's worker module, then a fork server preloading
 #                    them up to its first worker (7.6 s on the H200, 4-4.5 s on 2 cores)
+#   8. threads_or_processes  on 15 workers, threads against processes where the GIL binds a
+#                    little or not at all (tensor ops, a torch and a NumPy matmul per sample),
+#                    and what "auto" chose (benchmarks/threads_or_processes.py)
 # benchmarks/gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
 # H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
 #
@@ -69,7 +72,7 @@ fi
 } > "$summary" 2>&1
 
 finish() { # the device returns at most 8 files: the short logs go into the summary
-    for name in data server_start; do
+    for name in data server_start threads_or_processes; do
         [ -f "$OUT/$name.log" ] || continue
         { echo; echo "== $name.log"; cat "$OUT/$name.log"; } >> "$summary" && rm "$OUT/$name.log"
     done
@@ -120,4 +123,6 @@ worker = context.Process(target=print)
 worker.start()
 worker.join()
 print(f'fork server up and its first worker done: {time.perf_counter() - began:.2f} s')"
+step threads_or_processes 90 $PY benchmarks/threads_or_processes.py --workers 15 --rounds 1 \
+    --images "$IMAGES" --workloads tensor,matmul,numpy
 finish

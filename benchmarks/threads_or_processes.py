@@ -13,7 +13,8 @@ of its threads' time spent waiting for the GIL are printed too. Workloads:
 - ``numpy``: the same matmul in NumPy, whose OpenBLAS starts threads of its own.
 
 Run: ``python benchmarks/threads_or_processes.py [--rounds N] [--workloads pil,numpy]
-[--workers W]``. Medians over the rounds; ratios are to torch's loader of the same round set.
+[--workers W] [--images N]``. Medians over the rounds; ratios are to torch's loader of the
+same rounds.
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 from torch_spdl.bench.images import classic_transform
 from torch_spdl.bench.training import read_bytes, tensor_transform
 
-SAMPLES = 2048
 METHODS = ("thread", "process", "auto")
 
 
 class TorchMatmul(Dataset):
     """A float matmul per sample: torch's kernel frees the GIL."""
 
-    def __init__(self, size: int = 400) -> None:
+    def __init__(self, samples: int, size: int = 400) -> None:
+        self.samples = samples
         self.matrix = torch.randn(size, size)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return self.samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return (self.matrix @ self.matrix)[0, :4].clone()
@@ -55,22 +56,25 @@ class TorchMatmul(Dataset):
 class NumpyMatmul(TorchMatmul):
     """The same in NumPy, through its BLAS (OpenBLAS in NumPy's wheels)."""
 
-    def __init__(self, size: int = 400) -> None:
+    def __init__(self, samples: int, size: int = 400) -> None:
+        self.samples = samples
         self.array = np.random.default_rng(0).random((size, size), dtype=np.float32)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return torch.from_numpy((self.array @ self.array)[0, :4].copy())
 
 
-def workloads() -> dict[str, Callable[[], Any]]:
+def workloads(samples: int) -> dict[str, Callable[[], Any]]:
+    """Each workload's dataset of ``samples`` samples, made when called."""
+
     def folder(**kw: Any) -> Any:
-        return datasets.ImageFolder(str(synthetic_imagefolder(ImageSpec(images=SAMPLES))), **kw)
+        return datasets.ImageFolder(str(synthetic_imagefolder(ImageSpec(images=samples))), **kw)
 
     return {
         "pil": lambda: folder(transform=classic_transform()),
         "tensor": lambda: folder(loader=read_bytes, transform=tensor_transform()),
-        "matmul": TorchMatmul,
-        "numpy": NumpyMatmul,
+        "matmul": lambda: TorchMatmul(samples),
+        "numpy": lambda: NumpyMatmul(samples),
     }
 
 
@@ -114,13 +118,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--workloads", default=",".join(workloads()))
+    parser.add_argument("--workloads", default="pil,tensor,matmul,numpy")
+    parser.add_argument("--images", type=int, default=2048, help="samples per pass")
     args = parser.parse_args()
     common = dict(batch_size=64, num_workers=args.workers, shuffle=True, persistent_workers=True)
     print("| workload | loader | pass 1 | pass 2 | pass 2 × torch | auto chose (wait) |")
     print("|---|---|---:|---:|---:|---|")
     for name in args.workloads.split(","):
-        results = measure(workloads()[name](), args.rounds, common)
+        results = measure(workloads(args.images)[name](), args.rounds, common)
         chosen = results.pop("chose")
         torch_rate = statistics.median(second for _, second in results["torch"])
         for key, rates in results.items():
