@@ -62,11 +62,12 @@ def test_a_stage_whose_threads_wait_for_the_gil_goes_to_processes():
 
 def test_threads_that_lose_a_little_to_the_gil_lose_more_to_processes():
     """Workload A on 2 cores, nothing consuming the batches: PIL's threads waited 8-9 % of their
-    time and made 0.85× what processes made; torch's ops on tensors, 4-5 % and 0.95×; a torch
-    matmul, 1-2 %, and threads made 1.15× (docs/performance.md, "Threads that wait a little")."""
+    time and made 0.85× what processes made; torch's ops on tensors, 4-7 % and 0.92×; a torch
+    matmul, 1-2 %, and threads made 1.25× (docs/performance.md, "Threads that wait a little for
+    the GIL")."""
     pil = measured(stage_wait=0.08, busy_cores=1.8, workers=2, consumer_cpu=0.01)
     assert decide(pil, cpus=2).executor == PROCESS
-    assert decide(dataclasses.replace(pil, workers=2), cpus=16).executor == PROCESS
+    assert decide(pil, cpus=16).executor == PROCESS  # cores to spare change nothing
     free = measured(stage_wait=0.02, busy_cores=2.0, workers=2, consumer_cpu=0.01)
     assert decide(free, cpus=2).executor == THREAD
 
