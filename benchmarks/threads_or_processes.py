@@ -34,34 +34,28 @@ from torchvision import datasets
 import torch_spdl
 from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 from torch_spdl.bench.images import classic_transform
+from torch_spdl.bench.measure import auto_executor
 from torch_spdl.bench.training import read_bytes, tensor_transform
 
 METHODS = ("thread", "process", "auto")
 
 
-class TorchMatmul(Dataset):
-    """A float matmul per sample: torch's kernel frees the GIL."""
+class Matmul(Dataset):
+    """A 400×400 float matmul per sample, of ``samples``: in torch, whose kernel frees the GIL,
+    or with ``numpy`` in NumPy, through its BLAS (OpenBLAS in NumPy's wheels)."""
 
-    def __init__(self, samples: int, size: int = 400) -> None:
+    def __init__(self, samples: int, numpy: bool = False, size: int = 400) -> None:
         self.samples = samples
-        self.matrix = torch.randn(size, size)
+        self.matrix = np.random.default_rng(0).random((size, size), dtype=np.float32)
+        if not numpy:
+            self.matrix = torch.from_numpy(self.matrix)
 
     def __len__(self) -> int:
         return self.samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return (self.matrix @ self.matrix)[0, :4].clone()
-
-
-class NumpyMatmul(TorchMatmul):
-    """The same in NumPy, through its BLAS (OpenBLAS in NumPy's wheels)."""
-
-    def __init__(self, samples: int, size: int = 400) -> None:
-        self.samples = samples
-        self.array = np.random.default_rng(0).random((size, size), dtype=np.float32)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.from_numpy((self.array @ self.array)[0, :4].copy())
+        row = (self.matrix @ self.matrix)[0, :4]
+        return row.clone() if isinstance(row, torch.Tensor) else torch.from_numpy(row.copy())
 
 
 def workloads(samples: int) -> dict[str, Callable[[], Any]]:
@@ -73,8 +67,8 @@ def workloads(samples: int) -> dict[str, Callable[[], Any]]:
     return {
         "pil": lambda: folder(transform=classic_transform()),
         "tensor": lambda: folder(loader=read_bytes, transform=tensor_transform()),
-        "matmul": lambda: TorchMatmul(samples),
-        "numpy": lambda: NumpyMatmul(samples),
+        "matmul": lambda: Matmul(samples),
+        "numpy": lambda: Matmul(samples, numpy=True),
     }
 
 
@@ -90,8 +84,8 @@ def two_passes(loader: Any) -> tuple[float, float]:
 
 def decision(loader: Any) -> str:
     """``"auto"``'s choice and its threads' wait for the GIL, from the loader's stats."""
-    found = re.search(r"chose (\w+).*?threads waited for the GIL (\d+)%", str(loader.stats()))
-    return f"{found[1]} ({found[2]} %)" if found else "?"
+    wait = re.search(r"threads waited for the GIL (\d+)%", loader.stats().executor)
+    return f"{auto_executor(loader).removeprefix('auto: ') or '?'} ({wait[1] if wait else '?'} %)"
 
 
 def measure(dataset: Any, rounds: int, common: dict[str, Any]) -> dict[str, Any]:
