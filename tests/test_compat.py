@@ -290,6 +290,7 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
         "torch_spdl.server_exit",
         "torch_spdl.processes",
         "x",
+        "torch_spdl.server_warm",
     ]
     monkeypatch.delattr(server, "_preload_modules")
     assert compat.forkserver_preload() == ["__main__"]
@@ -299,6 +300,7 @@ def test_the_fork_server_preload_is_pythons_default_where_it_cannot_be_read(monk
         "torch_spdl.server_exit",
         "torch_spdl.processes",
         "x",
+        "torch_spdl.server_warm",
     ]
 
 

@@ -493,6 +493,48 @@ def test_a_worker_process_runs_blas_on_one_thread_and_the_main_process_keeps_its
     assert blas_threads() == before
 
 
+class NativeThreads(Dataset):
+    """The threads of the process that reads each item that run no Python: a BLAS's helpers."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads counted in /proc")
+def test_a_worker_process_starts_no_blas_helper_threads():
+    """Setting one BLAS thread in each worker started OpenBLAS's pool again there, a helper per
+    core that spins some 100 ms before it sleeps, at every worker start; the fork server sets it
+    once, and its workers inherit it."""
+    if blas_threads()[1] < 2:
+        pytest.skip("no BLAS here runs on more than one thread: it starts no helper")
+    loader = ours(NativeThreads(), batch_size=1, num_workers=2)
+    assert [batch.item() for batch in loader] == [0] * 4
+
+
+class PluginsImported(Dataset):
+    """Whether Pillow's JPEG plugin is imported in the process that reads each item, before the
+    item opens an image."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return "PIL.JpegImagePlugin" in sys.modules
+
+
+def test_a_worker_process_finds_pillows_format_plugins_imported():
+    """Pillow imports its common format plugins at the first ``Image.open``; the fork server
+    does it once, where each worker did it at its first sample, at every start."""
+    if multiprocessing.active_children() or not compat.stop_forkserver():
+        pytest.skip("the running fork server cannot be restarted here")
+    assert "PIL.Image" in sys.modules  # this module imports it: the server preloads it
+    loader = ours(PluginsImported(), batch_size=1, num_workers=1)
+    assert [batch.item() for batch in loader] == [True, True]
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def raised(loader) -> tuple[BaseException, list]:
     """The exception iterating ``loader`` raises, and the batches delivered before it."""
@@ -1190,6 +1232,23 @@ def test_the_main_scripts_imports_are_preloaded(monkeypatch):
         "torch_spdl.processes",
         "x",
         *start_method.main_imports(),
+        "torch_spdl.server_warm",  # last: it sets up what all the others imported
+    ]
+
+
+def test_the_servers_set_up_stays_last_of_a_merged_preload_list(monkeypatch):
+    """A server restarted for more modules preloads the old list and the new one: the module
+    that sets up what they imported still comes after all of them."""
+    monkeypatch.setattr(start_method, "main_imports", lambda: [])
+    old = ["__main__", "torch_spdl.server_exit", "a", start_method.WARM_MODULE]
+    monkeypatch.setattr(start_method, "forkserver_preload", lambda: old)
+    assert start_method._forkserver_preload(["b"]) == [
+        "__main__",
+        "torch_spdl.server_exit",
+        "a",
+        "torch_spdl.processes",
+        "b",
+        "torch_spdl.server_warm",
     ]
 
 

@@ -49,12 +49,12 @@ from multiprocessing import connection, util
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import threadpoolctl
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
 from . import inherited
 from .batching import FetchTask, SampleTask
+from .blas import single_threaded_blas
 from .compat import (
     MP_STATUS_CHECK_INTERVAL,
     ExceptionWrapper,
@@ -140,18 +140,6 @@ def _worker_main(
         pass  # Ctrl-C reaches the main process too; EOF and broken pipes: it has stopped us
     finally:
         conn.close()
-
-
-def single_threaded_blas() -> None:
-    """One thread for each BLAS loaded in this worker process (NumPy's OpenBLAS, an MKL), as
-    ``torch.set_num_threads(1)`` gives torch's kernels: N workers already keep N cores busy,
-    and a BLAS that starts a helper per core in each of them only oversubscribes the cores,
-    its helpers spinning while they wait: a NumPy matmul per sample ran 3× faster on 2 worker
-    processes with one BLAS thread each (docs/performance.md, "Threads that wait a little for
-    the GIL"). torch's workers leave BLAS alone. threadpoolctl finds the libraries by what is
-    loaded, under every symbol prefix their wheels use; one a dataset loads later keeps its
-    default."""
-    threadpoolctl.threadpool_limits(limits=1, user_api="blas")
 
 
 def _start_worker(

@@ -49,7 +49,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
         if forkserver_running() and _lacks(_server_preload, wanted):
             if _server_children() or not stop_forkserver(end=_forked_children()):
                 return context  # it keeps what it has: its workers import the rest themselves
-            wanted = list(dict.fromkeys([*_server_preload, *wanted]))
+            wanted = _forkserver_preload([*_server_preload, *wanted])
         if not forkserver_running():
             context.set_forkserver_preload(wanted)
             _server_preload[:] = wanted
@@ -87,7 +87,7 @@ def _lacks(server: list[str], wanted: list[str]) -> bool:
     return any(
         name not in server
         and name not in _PACKAGE_MODULES
-        and name != SERVER_MODULE
+        and name not in (SERVER_MODULE, WARM_MODULE)
         and name != "torch"
         and not name.startswith("torch.")
         for name in wanted
@@ -122,14 +122,21 @@ SERVER_MODULE = "torch_spdl.server_exit"
 does (:mod:`torch_spdl.server_exit`). A server started without it is not restarted for it."""
 
 
+WARM_MODULE = "torch_spdl.server_warm"
+"""Preloaded last by the fork servers we start: it sets up, once, what the modules before it
+would set up in every worker at its first use (:mod:`torch_spdl.server_warm`). A server started
+without it is not restarted for it."""
+
+
 def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     """The fork server's preload list (the main script, by default) with
     :data:`WORKER_MODULE`, ``extra`` and the main script's imports added, so that workers start
-    with them imported (the list is read through a private name of the standard library, see
+    with them imported, and :data:`WARM_MODULE` last, after all it sets up (the list is read
+    through a private name of the standard library, see
     :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
     started yet: a running server keeps what it has."""
     preload = [*forkserver_preload(), SERVER_MODULE, WORKER_MODULE, *extra, *main_imports()]
-    return list(dict.fromkeys(preload))
+    return [*dict.fromkeys(name for name in preload if name != WARM_MODULE), WARM_MODULE]
 
 
 _NOT_PRELOADED = ("__main__", "__mp_main__", "builtins")

@@ -1,0 +1,41 @@
+"""Imported in the fork server alone, last of its preload list (see
+:func:`torch_spdl.start_method.start_context`): what each worker would set up at its start or at
+its first sample, done once in the server, whose workers inherit it.
+
+A worker forked from the server has what the server had, as a worker forked by torch's loader
+has what the main process had. Without ``persistent_workers``, workers start again at every
+pass, and paid these at every start:
+
+- **One BLAS thread** (:func:`~torch_spdl.blas.single_threaded_blas`). Set in a worker, it
+  started OpenBLAS's pool of one helper per core again, each spinning some 100 ms of CPU: 2
+  workers on the 2-core machine lost 10 % of their first batch's time to it. Set here, before
+  the server forks, the workers inherit one thread and start no helper. The server runs no BLAS
+  work itself; a worker of torch's loader started from it (``multiprocessing_context=
+  "forkserver"``) runs BLAS on one thread too, as torch runs its own kernels there.
+- **Pillow's format plugins** (``Image.preinit()``, which imports them at the first
+  ``Image.open``): 11 ms of each worker's first sample on the 2-core machine.
+
+Only modules the server has already imported are set up. A set-up that fails is left to the
+worker, which meets the error where it can report it: the server must not die of it (its
+preload stops only an ``ImportError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from .blas import single_threaded_blas
+
+
+def warm() -> None:
+    """Set up, in this process, what its forked workers would each set up."""
+    with contextlib.suppress(Exception):
+        single_threaded_blas()
+    pil = sys.modules.get("PIL.Image")
+    if pil is not None:
+        with contextlib.suppress(Exception):
+            pil.preinit()
+
+
+warm()
