@@ -482,14 +482,25 @@ def blas_threads() -> tuple[int, int]:
     return (min(counts), max(counts)) if counts else (0, 0)
 
 
-def test_a_worker_process_runs_blas_on_one_thread_and_the_main_process_keeps_its_own():
+FORK = pytest.param(
+    "fork",
+    marks=pytest.mark.skipif(
+        "fork" not in multiprocessing.get_all_start_methods(), reason="no fork"
+    ),
+)
+
+
+@pytest.mark.parametrize("context", [None, FORK])
+def test_a_worker_process_runs_blas_on_one_thread_and_the_main_process_keeps_its_own(context):
     """As torch's workers run torch's kernels on one thread (N workers keep N cores busy),
-    ours run NumPy's BLAS on one; the training loop's process keeps its count."""
+    ours run NumPy's BLAS on one; the training loop's process keeps its count. A worker forked
+    from the main process keeps the main process's count, as torch's do."""
     before = blas_threads()
     if before[1] < 2:
         pytest.skip("no BLAS here runs on more than one thread: nothing to limit")
-    loader = ours(BlasThreads(), batch_size=1, num_workers=2)
-    assert [batch.tolist() for batch in loader] == [[[1, 1]]] * 4
+    loader = ours(BlasThreads(), batch_size=1, num_workers=2, multiprocessing_context=context)
+    expected = list(before) if context == "fork" else [1, 1]
+    assert [batch.tolist() for batch in loader] == [[expected]] * 4
     assert blas_threads() == before
 
 
@@ -504,13 +515,15 @@ class NativeThreads(Dataset):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads counted in /proc")
-def test_a_worker_process_starts_no_blas_helper_threads():
-    """Setting one BLAS thread in each worker started OpenBLAS's pool again there, a helper per
-    core that spins some 100 ms before it sleeps, at every worker start; the fork server sets it
-    once, and its workers inherit it."""
+@pytest.mark.parametrize("context", [None, FORK])
+def test_a_worker_process_starts_no_blas_helper_threads(context):
+    """Setting one BLAS thread in a forked worker started OpenBLAS's pool again there, a helper
+    per core that spins some 100 ms before it sleeps, at every worker start. The fork server
+    sets it once, and its workers inherit it; a worker forked from the main process keeps the
+    main process's count and sets nothing."""
     if blas_threads()[1] < 2:
         pytest.skip("no BLAS here runs on more than one thread: it starts no helper")
-    loader = ours(NativeThreads(), batch_size=1, num_workers=2)
+    loader = ours(NativeThreads(), batch_size=1, num_workers=2, multiprocessing_context=context)
     assert [batch.item() for batch in loader] == [0] * 4
 
 

@@ -18,7 +18,10 @@ def single_threaded_blas() -> None:
     fork, and setting its thread count in a forked child starts the pool again, one helper per
     core, each spinning some 100 ms of CPU before it sleeps: every worker start would pay that,
     on every core. The fork servers we start set one thread once (:mod:`torch_spdl.server_warm`),
-    so their workers inherit it and set nothing. threadpoolctl finds the libraries by what is
+    so their workers inherit it and set nothing; a worker started by ``spawn`` loads its BLAS
+    afresh, pool running, and sets it at no such cost. A worker forked from the main process
+    (``multiprocessing_context="fork"``) keeps the main process's count, as torch's do: the
+    main process's BLAS serves the training loop. threadpoolctl finds the libraries by what is
     loaded, under every symbol prefix their wheels use; one a dataset loads later keeps its
     default.
     """

@@ -124,14 +124,18 @@ def _worker_main(
     worker_init_fn: Callable[[int], None] | None,
     conn: connection.Connection,
     stack_pipe: connection.Connection | None,
+    forked: bool,
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
-    (the main process closes its end of the pipe) or until the main process is gone."""
+    (the main process closes its end of the pipe) or until the main process is gone. ``forked``:
+    it was forked from the main process (``multiprocessing_context="fork"``)."""
     try:
         inherited.apply(settings)  # what a forked worker would have had
         set_worker_signal_handlers()
         set_thread_name("pt_data_worker")
         _write_stack_on_request(stack_pipe)
+        if not forked:  # a forked one keeps the main process's, as torch's do: see blas.py
+            single_threaded_blas()
         status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
         conn.send_bytes(dumps((status, payload), reply=True))
         if status == READY:
@@ -151,7 +155,6 @@ def _start_worker(
 ) -> Reply:
     """Seeds, ``get_worker_info()`` and ``worker_init_fn``, in torch's order and with its seeds."""
     torch.set_num_threads(1)
-    single_threaded_blas()
     seed = base_seed + worker
     random.seed(seed)
     torch.manual_seed(seed)
@@ -255,6 +258,7 @@ def _start_process(
 ) -> _Worker:
     """Worker process ``worker`` of ``job``, which it is sent as ``sent``: the job, or the job
     packed (:func:`~torch_spdl.messages.pack`), which unpickles to it."""
+    forked = context.get_start_method() == "fork"
     ours, theirs = context.Pipe()
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
     # Processes forked later (our other workers included) must not hold our end: then a worker
@@ -264,7 +268,17 @@ def _start_process(
             util.register_after_fork(end, connection.Connection.close)
     process = context.Process(
         target=_worker_main,
-        args=(settings, sent, worker, num_workers, base_seed, worker_init_fn, theirs, stack_pipe),
+        args=(
+            settings,
+            sent,
+            worker,
+            num_workers,
+            base_seed,
+            worker_init_fn,
+            theirs,
+            stack_pipe,
+            forked,
+        ),
         name=f"torch_spdl-{job.stage}-{worker}",
         daemon=True,  # a backstop at exit only: close() is what stops it
     )
