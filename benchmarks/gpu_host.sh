@@ -26,16 +26,20 @@
 #                    issued from its own thread and from a second one (benchmarks/gpu_budget.py;
 #                    gpu_pass_probe.py, which found the first-batch and fork-server costs that
 #                    are fixed now, runs by hand)
-# With GPU_HOST_EXTRA=1 (they measured the same on the H100s and the H200 of 2026-11-23 to 27,
-# docs/performance.md; they make room for bench_A's second pass):
-#   6. gpu_transfer  the transfer stage's bandwidth and a ResNet-50 step's data stall
+# With GPU_HOST_EXTRA=1 (server_start measured the same on the H100s and the H200 of 2026-11-23
+# to 27, docs/performance.md; they make room for bench_A's second pass):
+#   6. worker_start  each pass's start of 15 worker processes, torch's forked from the main
+#                    process against ours from the fork server, beside D's training step: the
+#                    first batch and the pass (benchmarks/worker_start.py; on 2 cores, ours
+#                    restarted OpenBLAS's pool in each worker until 2026-11-28)
 #   7. server_start  what a fork server's start is made of: a fresh interpreter importing torch,
 #                    torchvision and torch_spdl's worker module, then a fork server preloading
 #                    them up to its first worker (7.6 s on the H200, 4-4.5 s on 2 cores)
 #   8. threads_or_processes  on 15 workers, threads against processes where the GIL binds a
 #                    little or not at all (tensor ops, a torch and a NumPy matmul per sample),
 #                    and what "auto" chose (benchmarks/threads_or_processes.py)
-# benchmarks/gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
+# benchmarks/gpu_transfer.py (the transfer stage's bandwidth, measured the same on every host),
+# gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
 # H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
 #
 # Wheels the device's Python (3.12) lacks travel in .whl (carry it), made here beforehand:
@@ -72,7 +76,7 @@ fi
 } > "$summary" 2>&1
 
 finish() { # the device returns at most 8 files: the short logs go into the summary
-    for name in data server_start threads_or_processes; do
+    for name in data worker_start server_start threads_or_processes; do
         [ -f "$OUT/$name.log" ] || continue
         { echo; echo "== $name.log"; cat "$OUT/$name.log"; } >> "$summary" && rm "$OUT/$name.log"
     done
@@ -104,7 +108,7 @@ step bench_A 135 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --roun
     --batches 8 --warmup 8 --no-analysis --out /tmp/gpu_host_bench
 step gpu_budget 35 $PY benchmarks/gpu_budget.py --images "$IMAGES" --steps 20
 [ "${GPU_HOST_EXTRA:-0}" = 1 ] || { finish; exit; }
-step gpu_transfer 35 $PY benchmarks/gpu_transfer.py --rounds 1 --steps 30
+step worker_start 60 $PY benchmarks/worker_start.py --workers 15 --rounds 4 --images "$IMAGES"
 step server_start 20 $PY -c "import multiprocessing, subprocess, sys, time
 wanted = ['torch', 'torchvision', 'torch_spdl.processes']
 began = time.perf_counter()

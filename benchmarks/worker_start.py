@@ -15,7 +15,8 @@ torch's ``DataLoader`` forks its workers; torch_spdl's ``worker_method="process"
 from a fork server. Rounds alternate the two; medians over passes 2 and later (the first pass
 also starts the fork server).
 
-Usage: ``python benchmarks/worker_start.py [--rounds R] [--batches N]``.
+Usage: ``python benchmarks/worker_start.py [--rounds R] [--batches N] [--workers W]
+[--images I]`` (``--workers`` follows the host: 15 on a 16-core one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torchvision import datasets
 
 import torch_spdl
 from torch_spdl.bench import images, training
-from torch_spdl.bench.data import synthetic_imagefolder
+from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 
 
 def one_pass(loader: Any, step: training.Step, batches: int) -> tuple[float, float, float]:
@@ -54,10 +55,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--images", type=int, default=ImageSpec().images)
     args = parser.parse_args()
-    folder = datasets.ImageFolder(str(synthetic_imagefolder()), images.classic_transform())
+    root = synthetic_imagefolder(ImageSpec(images=args.images))
+    folder = datasets.ImageFolder(str(root), images.classic_transform())
     step = training.calibrate(20)
-    common: dict[str, Any] = dict(batch_size=64, shuffle=True, drop_last=True, num_workers=2)
+    common: dict[str, Any] = dict(
+        batch_size=64, shuffle=True, drop_last=True, num_workers=args.workers
+    )
     loaders = {
         "torch": torch.utils.data.DataLoader(folder, **common),
         "torch_spdl process": torch_spdl.DataLoader(folder, worker_method="process", **common),
@@ -66,7 +72,10 @@ def main() -> None:
     for _ in range(args.rounds + 1):
         for name, loader in loaders.items():
             times[name].append(one_pass(loader, step, args.batches))
-    print(f"medians of passes 2 to {args.rounds + 1}, {args.batches} batches of 64 each")
+    print(
+        f"medians of passes 2 to {args.rounds + 1}, {args.batches} batches of 64 each, "
+        f"{args.workers} workers"
+    )
     print("| loader | iter (s) | first batch (s) | pass (s) | images/s |")
     print("|---|---:|---:|---:|---:|")
     for name, passes in times.items():
