@@ -520,8 +520,8 @@ def test_a_worker_process_starts_no_blas_helper_threads():
     per core that spins some 100 ms before it sleeps, at every worker start. The fork server
     sets it once, and its workers inherit it. A worker forked from the main process keeps the
     main process's count and sets nothing, as the test above checks; its threads are not counted
-    here: after the suite's earlier tests, such a worker had one more native thread, which a
-    fork of this test alone does not have, and what started it was not found."""
+    here: after test_compat.py's OpenMP tests, a worker forked from this process, torch's
+    loader's as well as ours, has one more native thread, from the OpenMP state it inherits."""
     if blas_threads()[1] < 2:
         pytest.skip("no BLAS here runs on more than one thread: it starts no helper")
     loader = ours(NativeThreads(), batch_size=1, num_workers=2)
