@@ -7,13 +7,14 @@ has what the main process had. Without ``persistent_workers``, workers start aga
 pass, and paid these at every start:
 
 - **One BLAS thread** (:func:`~torch_spdl.blas.single_threaded_blas`). Set in a worker, it
-  started OpenBLAS's pool of one helper per core again, each spinning some 100 ms of CPU: 2
-  workers on the 2-core machine lost 10 % of their first batch's time to it. Set here, before
-  the server forks, the workers inherit one thread and start no helper. The server runs no BLAS
+  started OpenBLAS's pool of one helper per core again, each spinning some 100 ms of CPU, which
+  the worker's own samples lost on a host with few spare cores (docs/performance.md, "Each
+  worker's start"). Set here, before the server forks, the workers inherit one thread and start
+  no helper. The server runs no BLAS
   work itself; a worker of torch's loader started from it (``multiprocessing_context=
   "forkserver"``) runs BLAS on one thread too, as torch runs its own kernels there.
 - **Pillow's format plugins** (``Image.preinit()``, which imports them at the first
-  ``Image.open``): 11 ms of each worker's first sample on the 2-core machine.
+  ``Image.open``): a colder first sample in every worker.
 
 Only modules the server has already imported are set up. A set-up that fails is left to the
 worker, which meets the error where it can report it: the server must not die of it (its
