@@ -897,6 +897,7 @@ def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idl
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
     second = start_method.start_context(None, UNUSED[1:2])
     assert started_with(second, UNUSED) == (UNUSED[:2], 0)
+    assert compat.forkserver_preload()[-1] == start_method.WARM_MODULE  # after both lists
     assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     start_method.start_context(None, ["torch.nn.functional"])  # comes with torch: no restart

@@ -49,7 +49,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
         if forkserver_running() and _lacks(_server_preload, wanted):
             if _server_children() or not stop_forkserver(end=_forked_children()):
                 return context  # it keeps what it has: its workers import the rest themselves
-            wanted = _forkserver_preload([*_server_preload, *wanted])
+            wanted = _warm_last([*_server_preload, *wanted])
         if not forkserver_running():
             context.set_forkserver_preload(wanted)
             _server_preload[:] = wanted
@@ -135,7 +135,14 @@ def _forkserver_preload(extra: Iterable[str] = ()) -> list[str]:
     through a private name of the standard library, see
     :func:`~torch_spdl.compat.forkserver_preload`). It counts only where the server has not
     started yet: a running server keeps what it has."""
-    preload = [*forkserver_preload(), SERVER_MODULE, WORKER_MODULE, *extra, *main_imports()]
+    return _warm_last(
+        [*forkserver_preload(), SERVER_MODULE, WORKER_MODULE, *extra, *main_imports()]
+    )
+
+
+def _warm_last(preload: Iterable[str]) -> list[str]:
+    """``preload`` once each, in order, with :data:`WARM_MODULE` moved to the end (a running
+    server's list has it last already: one merged with more modules must keep it there)."""
     return [*dict.fromkeys(name for name in preload if name != WARM_MODULE), WARM_MODULE]
 
 
