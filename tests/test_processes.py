@@ -57,6 +57,10 @@ EPOCHS = 2
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
 
+NEEDS_FORK = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork"
+)
+
 CONTEXT = start_method.start_context(None)
 """Where the loader starts its workers by default: their events and barriers come from it too."""
 
@@ -482,12 +486,7 @@ def blas_threads() -> tuple[int, int]:
     return (min(counts), max(counts)) if counts else (0, 0)
 
 
-FORK = pytest.param(
-    "fork",
-    marks=pytest.mark.skipif(
-        "fork" not in multiprocessing.get_all_start_methods(), reason="no fork"
-    ),
-)
+FORK = pytest.param("fork", marks=NEEDS_FORK)
 
 
 @pytest.mark.parametrize("context", [None, FORK])
@@ -922,7 +921,7 @@ def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
     assert child.exitcode == 0  # a stopped server's child would read as 255
 
 
-@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+@NEEDS_FORK
 def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     """torch's own loader forks its workers, which inherit the fork server's alive pipe: a
     restart that waited for the server to see it close would wait for them to exit, forever for
@@ -954,7 +953,7 @@ def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     assert child.exitcode == 0
 
 
-@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork")
+@NEEDS_FORK
 def test_a_fork_server_ended_for_a_restart_exits_as_usual_and_its_workers_still_die_on_sigterm(
     monkeypatch, tmp_path
 ):
