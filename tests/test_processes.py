@@ -34,7 +34,7 @@ from index_datasets import WaitsAt, WhereRead
 from iteration import drain
 from PIL import Image
 from subprocesses import checkout_env
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 from torchvision import transforms
 from versions import HAS_RNG, HAS_WORKER_METHOD, method
 
@@ -47,6 +47,7 @@ from torch_spdl import (
     messages,
     processes,
     start_method,
+    workers,
 )
 from torch_spdl.copies import CopyTask
 from torch_spdl.hooks import WholeSamples, resolve_hooks
@@ -396,6 +397,70 @@ def test_large_tensors_arrive_in_shared_memory_small_ones_by_value():
     # a large batch made in the worker arrives in shared memory too
     batches = list(ours(Squares(), batch_size=None, num_workers=2, collate_fn=big_batch))
     assert all(batch.is_shared() for batch in batches)
+
+
+class Images(Dataset):
+    """An image, an array and a label a sample, for ``default_collate``."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        image = torch.full((3, 8, 8), index, dtype=torch.uint8)
+        return {"image": image, "array": np.full(4, index), "label": index}
+
+
+def collate_saying_where(samples):
+    """``default_collate``'s batch, whether it stacked into shared memory, and the
+    ``num_workers`` that ``get_worker_info()`` answers after it."""
+    batch = default_collate(samples)
+    shared = batch["image"].is_shared() and batch["array"].is_shared()
+    return plain(batch), shared, get_worker_info().num_workers
+
+
+def collated(make_loader, **kwargs):
+    return list(make_loader(Images(), batch_size=2, collate_fn=collate_saying_where, **kwargs))
+
+
+def test_a_worker_threads_batch_is_stacked_in_its_own_memory_a_processs_in_shared_memory():
+    """torch's ``default_collate`` stacks into shared memory wherever ``get_worker_info()``
+    answers; a worker thread's batch stays in this process, so it is stacked in ordinary memory,
+    and the collate_fn around it still sees its worker's info."""
+    expected = collated(torchs, num_workers=2)  # torch's worker processes
+    assert [shared for _, shared, _ in expected] == [True] * 3
+    by_process = collated(ours, num_workers=2)
+    by_thread = collated(threads, num_workers=2, worker_method="thread")
+    assert by_process == expected
+    assert by_thread == [(batch, False, 2) for batch, _, _ in expected]
+
+
+def test_a_collate_entry_of_the_users_own_is_left_as_given(monkeypatch: pytest.MonkeyPatch):
+    table = compat.default_collate_fn_map()
+    assert table is not None and table[torch.Tensor].__module__ == workers.__name__
+    ours_before = table[torch.Tensor]
+    workers.collate_in_process_memory()  # once is enough: ours is not wrapped again
+    assert table[torch.Tensor] is ours_before
+
+    def stack(batch, *, collate_fn_map=None):
+        return torch.stack(batch)
+
+    monkeypatch.setitem(table, torch.Tensor, stack)
+    workers.collate_in_process_memory()
+    assert table[torch.Tensor] is stack
+
+
+def test_without_torchs_collate_table_a_worker_thread_stacks_as_a_worker_process_does(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The fallback, where a torch has no such table: nothing is wrapped, and worker threads'
+    batches are stacked as torch stacks a worker process's, equal all the same."""
+    table = compat.default_collate_fn_map()
+    monkeypatch.setitem(table, torch.Tensor, table[torch.Tensor].__wrapped__)
+    monkeypatch.setattr(workers, "default_collate_fn_map", lambda: None)
+    workers.collate_in_process_memory()
+    assert table[torch.Tensor].__module__ == "torch.utils.data._utils.collate"
+    expected = collated(torchs, num_workers=2)
+    assert collated(threads, num_workers=2, worker_method="thread") == expected
 
 
 class Cached(Dataset):

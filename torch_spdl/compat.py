@@ -13,7 +13,8 @@ forked worker processes.
 Private *attributes* are read here too, through functions with a fallback: the ``num_samples`` a
 ``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
 the modules the fork server preloads (:func:`forkserver_preload`), whether it runs and how to stop
-it (:func:`forkserver_running`, :func:`start_forkserver`, :func:`stop_forkserver`).
+it (:func:`forkserver_running`, :func:`start_forkserver`, :func:`stop_forkserver`), and the table
+``default_collate`` dispatches on (:func:`default_collate_fn_map`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -349,6 +350,19 @@ def random_sampler_num_samples(sampler: Any) -> int | None:
         return sampler._num_samples
     except AttributeError:
         return sampler.num_samples
+
+
+def default_collate_fn_map() -> dict[type, Callable[..., Any]] | None:
+    """The table ``default_collate`` looks each element's type up in (torch's private
+    ``torch.utils.data._utils.collate.default_collate_fn_map``, also how torch's docs extend
+    ``collate``), or None where a release has no such table: worker threads' batches are then
+    collated as in a worker process (:func:`torch_spdl.workers.collate_in_process_memory`)."""
+    try:
+        from torch.utils.data._utils import collate
+    except ImportError:
+        return None
+    table = getattr(collate, "default_collate_fn_map", None)
+    return table if isinstance(table, dict) else None
 
 
 def _forkserver() -> Any:

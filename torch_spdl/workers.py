@@ -12,6 +12,7 @@ thread's own :class:`WorkerInfo` in our worker threads and torch's usual value e
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -21,14 +22,21 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data
 
-from .compat import RNG, WORKER_INFO_FIELDS, WorkerInfo, torch_extension_file, torch_worker_module
+from .compat import (
+    RNG,
+    WORKER_INFO_FIELDS,
+    WorkerInfo,
+    default_collate_fn_map,
+    torch_extension_file,
+    torch_worker_module,
+)
 from .sampling import datapipe_graph
 
 
@@ -107,6 +115,47 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
 
 
 _make_get_worker_info_thread_aware()
+
+
+@contextlib.contextmanager
+def _own_info_hidden() -> Iterator[None]:
+    """``get_worker_info()`` answers, in this thread, what it answers outside worker threads:
+    None in the main process, the process's own info in a worker process."""
+    own = _thread_state.__dict__.pop("info", None)
+    try:
+        yield
+    finally:
+        if own is not None:
+            _thread_state.info = own
+
+
+def collate_in_process_memory() -> None:
+    """Let ``default_collate`` stack a worker thread's tensors in the process's own memory.
+
+    torch's ``collate_tensor_fn`` stacks into a new shared-memory segment wherever
+    ``get_worker_info()`` answers: in torch that is a worker process, whose batch goes to the
+    main process. A worker thread's batch is already where it is used. A segment per batch
+    costs its creation and a page fault per page (about 75 µs of CPU per 150 KB image,
+    docs/performance.md), and fills ``/dev/shm``, which containers often keep small. So the
+    tensor entry of torch's table (:func:`~torch_spdl.compat.default_collate_fn_map`) hides a
+    worker thread's own info while it stacks. Only torch's own entry is wrapped: one a user put
+    there runs as given. A worker process still stacks into shared memory, as torch's does.
+    """
+    table = default_collate_fn_map()
+    original = None if table is None else table.get(torch.Tensor)
+    if getattr(original, "__module__", None) != "torch.utils.data._utils.collate":
+        return  # no table, ours already, or the user's own
+
+    @functools.wraps(original)
+    def collate_tensor_fn(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        with _own_info_hidden():
+            return original(batch, collate_fn_map=collate_fn_map)
+
+    collate_tensor_fn.__module__ = __name__
+    table[torch.Tensor] = collate_tensor_fn
+
+
+collate_in_process_memory()
 
 
 def thread_rng(seed: int) -> Any:
