@@ -117,6 +117,9 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
 _make_get_worker_info_thread_aware()
 
 
+_TORCH_COLLATE = "torch.utils.data._utils.collate"
+
+
 @contextlib.contextmanager
 def _own_info_hidden() -> Iterator[None]:
     """``get_worker_info()`` answers, in this thread, what it answers outside worker threads:
@@ -143,7 +146,7 @@ def collate_in_process_memory() -> None:
     """
     table = default_collate_fn_map()
     original = None if table is None else table.get(torch.Tensor)
-    if getattr(original, "__module__", None) != "torch.utils.data._utils.collate":
+    if table is None or original is None or original.__module__ != _TORCH_COLLATE:
         return  # no table, ours already, or the user's own
 
     @functools.wraps(original)
