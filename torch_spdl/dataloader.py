@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 import torch.utils.data
 from torch.utils.data import BatchSampler
 
-from . import gil, pass_record, resume, torchdata_state
+from . import early_server, gil, pass_record, resume, torchdata_state
 from .auto import PROCESS, AutoState, Decision
 from .cache import ByteLRU, CacheStats
 from .compat import is_iterable
@@ -207,6 +207,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._resume: pass_record.Pending | None = None  # a loaded state, for the next iterator
         self._shard()
         self._stats_probe: StatsProbe | None = None
+        # the fork server its workers will likely come from, importing while the model is built
+        stays = is_iterable(self.dataset) or (is_stateful(self.dataset) and self._hooks is None)
+        self._early_server = early_server.start(self, stays_on_threads=stays)
 
     # -- options ----------------------------------------------------------------------------------
     @property

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch.utils.data
 from torch.utils.data import IterDataPipe
 
-from . import gil, pass_record, resume
+from . import early_server, gil, pass_record, resume
 from .auto import PROCESS, THREAD, Decision, Trial, cores, decide, first_trial
 from .batching import (
     Assembler,
@@ -400,7 +400,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             trial=trial,
             route=THREAD if decided is None else decided.executor,
             hands_over=self._moved is not None,
-            keep=loader._auto.keep,
+            keep=early_server.keeping(loader._auto.keep, loader._early_server),
         )
         self._switch = switch
         self.stats_probe.switch = switch

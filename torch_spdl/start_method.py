@@ -56,6 +56,16 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     return context
 
 
+def stop_idle_server() -> bool:
+    """Stop the fork server if it runs and no process of its does, as a restart does (see
+    :func:`start_context`); whether it stopped. A server still importing its preload reads its
+    alive pipe only once done: this waits for that."""
+    with SERVER_LOCK:
+        if not forkserver_running() or _server_children():
+            return False
+        return stop_forkserver(end=_forked_children())
+
+
 # The fork server's preload list as this module last set it before the server started. A pool
 # whose modules the running server lacks restarts it with both lists (each worker would import
 # them again at every start, non-persistent workers at every pass), but only while no process
@@ -187,7 +197,13 @@ def modules_of(job: Any) -> list[str]:
     holds, and of the values a dataset holds (its ``transform``, say), where already imported
     here. A guess one level deep, not a walk of the pickle: a module missed is imported by the
     worker, as without a preload."""
-    values = [getattr(job, f.name) for f in fields(job)]
+    return modules_in([getattr(job, f.name) for f in fields(job)])
+
+
+def modules_in(values: Iterable[Any]) -> list[str]:
+    """The modules of ``values`` and of the values each holds (one level deep), where imported
+    here: :func:`modules_of` for a job's fields, or for what a loader holds before it has one."""
+    values = list(values)
     for value in list(values):
         values += list(getattr(value, "__dict__", {}).values())
     return list(dict.fromkeys(filter(None, map(_module_of, values))))

@@ -55,8 +55,10 @@ class Switch:
     stage function that does the same in a process (``"fetch"`` or ``"preprocess"``);
     ``make_pool`` starts the pool; ``conclude`` turns the trial's figures into a decision;
     ``start`` is the threads' own ``on_start``. Nothing starts before the decision (a fork
-    server importing torch beside the trial would take the cores it measures); a decision for
-    processes from the next pass starts their fork server at once (:meth:`PoolStarter.warm`).
+    server importing torch beside the trial would take the cores it measures), except on a host
+    of many cores where the loader started the server as it was made (:mod:`.early_server`);
+    a decision for processes from the next pass starts their fork server at once
+    (:meth:`PoolStarter.warm`).
     """
 
     def __init__(
