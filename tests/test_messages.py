@@ -106,3 +106,20 @@ def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch():
     assert bool((received["c"] == 3).all())
     if sys.platform.startswith("linux"):
         assert received["a"].count_nonzero() == 0  # given back
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["torchs-new-shared", "fallback"])
+def test_a_batch_is_copied_into_a_segment_of_its_own_in_its_own_layout(
+    private: bool, monkeypatch: pytest.MonkeyPatch
+):
+    """A collated batch (large, not yet shared) goes into a new segment, copied once, with its
+    values, dtype, shape and memory layout; the worker's own tensor stays where it was. Where
+    torch lacks the private ``UntypedStorage._new_shared``, the fallback makes the same."""
+    if not private:
+        monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
+    batch = torch.randn(4, 3, 64, 64).to(memory_format=torch.channels_last)
+    segment = messages._own_segment(batch)
+    assert segment is not None and segment.is_shared() and not batch.is_shared()
+    assert segment.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()
+    assert segment.stride() == batch.stride() and segment.dtype == batch.dtype
+    assert torch.equal(segment, batch)

@@ -14,7 +14,8 @@ Private *attributes* are read here too, through functions with a fallback: the `
 ``RandomSampler`` was given (:func:`random_sampler_num_samples`) and, from the standard library,
 the modules the fork server preloads (:func:`forkserver_preload`), whether it runs and how to stop
 it (:func:`forkserver_running`, :func:`start_forkserver`, :func:`stop_forkserver`), and the table
-``default_collate`` dispatches on (:func:`default_collate_fn_map`).
+``default_collate`` dispatches on (:func:`default_collate_fn_map`); and a private method, the one
+that makes a storage in shared memory without a copy (:func:`new_shared_storage`).
 
 One name has no fallback: ``_BaseDataLoaderIter``, the iterator torch_spdl's own extends so that
 the parts torch users rely on (the one ``generator`` draw per pass, its warnings, ``len()``) stay
@@ -350,6 +351,18 @@ def random_sampler_num_samples(sampler: Any) -> int | None:
         return sampler._num_samples
     except AttributeError:
         return sampler.num_samples
+
+
+def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """A new storage of ``nbytes`` in shared memory, its pages not yet touched: torch's private
+    ``UntypedStorage._new_shared``, with which ``default_collate`` makes a worker's batch. Where a
+    release lacks it, a new storage moved to shared memory, which copies its bytes there once
+    more (what ``share_memory_()`` does)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        with contextlib.suppress(TypeError, RuntimeError):
+            return new_shared(nbytes)
+    return torch.UntypedStorage(nbytes).share_memory_()
 
 
 def default_collate_fn_map() -> dict[type, Callable[..., Any]] | None:

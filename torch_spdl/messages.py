@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
 from . import shared_pages
+from .compat import new_shared_storage
 from .transfer import map_tensors
 
 # Requests (main → worker) and reply statuses (worker → main).
@@ -75,7 +76,10 @@ def _own_segment(tensor: torch.Tensor) -> torch.Tensor | None:
         return None
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         return None  # a view of a larger storage: torch's reductions send it as a view
-    return torch.empty_like(tensor).share_memory_().copy_(tensor)
+    # a segment made empty (``share_memory_()`` would copy a new tensor's bytes into it first)
+    segment = new_shared_storage(tensor.nbytes)
+    fresh = torch.empty(0, dtype=tensor.dtype).set_(segment, 0, tensor.shape, tensor.stride())
+    return fresh.copy_(tensor)
 
 
 def _received(tensor: torch.Tensor) -> torch.Tensor:
