@@ -9,9 +9,12 @@ runs a pass.
 from __future__ import annotations
 
 import pytest
+import torch
+import torchvision
 from subprocesses import run_python
+from torchvision import transforms
 
-from torch_spdl import DataLoader, early_server, gil
+from torch_spdl import DataLoader, StagedDataset, early_server, gil, jobs, start_method
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
 
@@ -48,6 +51,46 @@ def test_a_loader_starts_the_server_early_where_its_workers_will_likely_come_fro
 ):
     host(cores, gil_on)
     assert early_server.wanted(options(worker_method), workers, stays) is expected
+
+
+class Staged(StagedDataset):
+    def __len__(self):
+        return 4
+
+    def load(self, index):
+        return index
+
+    def preprocess(self, raw):
+        return torch.tensor(raw)
+
+
+def folder_like():
+    return torchvision.datasets.FakeData(size=4, transform=transforms.PILToTensor())
+
+
+def fetch_job(loader):
+    return jobs.FetchJob(loader.dataset, True, loader.collate_fn)
+
+
+def preprocess_job(loader):
+    return jobs.PreprocessJob(loader.dataset.preprocess, loader.dataset)
+
+
+@pytest.mark.parametrize(
+    ("make_dataset", "make_job"),
+    [(folder_like, fetch_job), (Staged, fetch_job), (Staged, preprocess_job)],
+    ids=["torchvision-fetch", "staged-fetch", "staged-preprocess"],
+)
+def test_the_servers_early_preload_holds_what_the_workers_job_needs(
+    monkeypatch: pytest.MonkeyPatch, make_dataset, make_job
+):
+    """A server started early lacks nothing the first pass's workers import to unpickle their
+    job: it would be restarted for it, its early start lost."""
+    monkeypatch.setattr(start_method, "main_imports", lambda: [])
+    loader = DataLoader(make_dataset(), batch_size=2, num_workers=2, worker_method="thread")
+    early = start_method._forkserver_preload(early_server.modules(loader))
+    needed = start_method.modules_of(make_job(loader))
+    assert needed and not start_method._lacks(early, needed)
 
 
 SCRIPT = """

@@ -65,13 +65,20 @@ def start(loader: Any, stays_on_threads: bool) -> bool:
         return False
     if forkserver_running() or unguarded_main() is not None:
         return False
-    held = [loader.dataset, loader.collate_fn, loader.worker_init_fn]
     with contextlib.suppress(Exception):
-        context = start_context(loader.multiprocessing_context, modules_in(held))
+        context = start_context(loader.multiprocessing_context, modules(loader))
         if context.get_start_method() == "forkserver":
             start_forkserver()
             return forkserver_running()
     return False
+
+
+def modules(loader: Any) -> list[str]:
+    """What ``loader``'s workers will import to unpickle their job, as far as the loader shows
+    before it has one: the modules of its dataset (its hooks are its methods), ``collate_fn``
+    and ``worker_init_fn``, and of what they hold (:func:`~.start_method.modules_in`). A module
+    the job needs beyond these would restart the server at the first pass, as before."""
+    return modules_in([loader.dataset, loader.collate_fn, loader.worker_init_fn])
 
 
 def keeping(keep: Callable[[Decision], None], started: bool) -> Callable[[Decision], None]:
