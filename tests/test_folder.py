@@ -106,3 +106,124 @@ def test_a_file_pillow_cannot_read_is_named_by_its_path_as_in_torch(tmp_path, nu
     for loader in (torchs, ours):
         with pytest.raises(UnidentifiedImageError, match=f"cannot identify image file .*{bad}"):
             list(loader)
+
+
+# -- RandomResizedCrop with only the crop decoded (torch_spdl.crop_first) -------------------------
+CROP_FIRST = transforms.Compose(
+    [transforms.RandomResizedCrop(24), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
+)
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    """JPEGs of the kinds a photo folder holds, at sizes off the 8- and 16-pixel blocks: 4:2:0,
+    4:2:2 and 4:4:4, progressive, and ones the crop is not decoded alone for (grey, CMYK, an
+    ICC profile, a PNG), each in a class of its own kind."""
+    root = tmp_path_factory.mktemp("jpegs")
+    rng = np.random.default_rng(1)
+    kinds = {  # kind: (mode, file format, save options)
+        "420": ("RGB", "JPEG", dict(subsampling=2)),
+        "422": ("RGB", "JPEG", dict(subsampling=1)),
+        "444": ("RGB", "JPEG", dict(subsampling=0)),
+        "progressive": ("RGB", "JPEG", dict(progressive=True)),
+        "grey": ("L", "JPEG", {}),
+        "cmyk": ("CMYK", "JPEG", {}),
+        "icc": ("RGB", "JPEG", dict(icc_profile=b"\0" * 128)),
+        "png": ("RGB", "PNG", {}),
+    }
+    for kind, (mode, file_format, options) in kinds.items():
+        (root / kind).mkdir()
+        for k in range(3):
+            height, width = 29 + 7 * k, 37 + 11 * k
+            ramp = np.linspace(0, 190, height * width * 3).reshape(height, width, 3)
+            image = Image.fromarray((ramp + rng.integers(0, 64, ramp.shape)).astype(np.uint8))
+            name = root / kind / f"{k}.{file_format.lower()}"
+            image.convert(mode).save(name, file_format, quality=90, **options)
+    return root
+
+
+def crop_folder(root):
+    return torchvision.datasets.ImageFolder(str(root), transform=CROP_FIRST)
+
+
+@pytest.fixture
+def region_calls(monkeypatch):
+    """The crops the region decoder decoded: it must be installed and decode as Pillow does."""
+    from torch_spdl.io import region
+
+    if region.region_decoder() is None:
+        pytest.skip("needs nvImageCodec (torch_spdl[jpeg-region])")
+    assert region.decodes_as_pillow()
+    decode, calls = region.region_decoder(), []
+
+    def counted(*args):
+        calls.append(args[2])
+        return decode(*args)
+
+    monkeypatch.setattr(region, "region_decoder", lambda: counted)
+    return calls
+
+
+def test_a_random_resized_crop_with_only_its_crop_decoded_is_the_datasets_own_sample(
+    jpegs, region_calls
+):
+    """Every sample, seeded alike, equals ``dataset[index]`` bit for bit, read whole (as worker
+    processes and "auto"'s threads read it) or split into load and preprocess; and the plain
+    JPEGs' crops were decoded alone."""
+    from torch_spdl.folder import FolderSamples
+
+    dataset = crop_folder(jpegs)
+    whole, split = FolderSamples(dataset), FolderHooks(dataset)
+    for index in range(len(dataset)):
+        torch.manual_seed(index)
+        want_image, want_label = dataset[index]
+        for read in (whole.__getitem__, lambda i: split.preprocess(split.load(i))):
+            torch.manual_seed(index)
+            image, label = read(index)
+            assert label == want_label and torch.equal(image, want_image), dataset.samples[index]
+    plain = sum(kind in ("420", "422", "444", "progressive") for kind in dataset.classes) * 3
+    assert len(region_calls) == 2 * plain  # not for grey, CMYK, an ICC profile or a PNG
+
+
+@pytest.mark.parametrize(("num_workers", "method"), [(0, "auto"), (2, "thread"), (2, "process")])
+def test_a_loader_of_random_resized_crops_gives_torchs_batches(jpegs, num_workers, method):
+    """Without workers the crops are drawn in this thread, as torch's loader draws them: the
+    batches are equal. With workers, each sample is its worker's draw: equal shapes and labels."""
+    torch.manual_seed(0)
+    want = to_lists(torch.utils.data.DataLoader(crop_folder(jpegs), batch_size=4))
+    torch.manual_seed(0)
+    loader = DataLoader(
+        crop_folder(jpegs), batch_size=4, num_workers=num_workers, worker_method=method
+    )
+    got = to_lists(loader)
+    if num_workers == 0:
+        assert got == want
+    else:
+        assert [labels for _, labels in got] == [labels for _, labels in want]
+        assert all(np.shape(images) == (4, 3, 24, 24) for images, _ in got[:-1])
+
+
+def test_where_the_decoders_may_differ_the_image_is_decoded_whole(jpegs, monkeypatch):
+    """A region decoder whose pixels are not Pillow's (here: said to be) is not used."""
+    from torch_spdl import crop_first
+    from torch_spdl.io import region
+
+    monkeypatch.setattr(region, "decodes_as_pillow", lambda: False)
+    assert crop_first.crop_first(CROP_FIRST) is None
+    monkeypatch.setattr(region, "decodes_as_pillow", lambda: True)
+    assert crop_first.crop_first(CROP_FIRST) is not None
+    # only torchvision's own RandomResizedCrop, first
+    assert crop_first.crop_first(transforms.Compose([transforms.PILToTensor()])) is None
+    assert crop_first.crop_first(transforms.RandomResizedCrop(8)) is not None
+    assert crop_first.crop_first(type("Mine", (transforms.RandomResizedCrop,), {})(8)) is None
+
+
+def test_the_check_finds_a_region_decoder_whose_pixels_are_not_pillows(monkeypatch):
+    from torch_spdl.io import region
+
+    decode = region.region_decoder()
+    if decode is None:
+        pytest.skip("needs nvImageCodec (torch_spdl[jpeg-region])")
+    assert region._decodes_as_pillow()
+    monkeypatch.setattr(region, "region_decoder", lambda: lambda *args: decode(*args) ^ 1)
+    assert not region._decodes_as_pillow()

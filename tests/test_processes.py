@@ -613,6 +613,23 @@ def test_a_worker_process_finds_pillows_format_plugins_imported():
     assert [batch.item() for batch in loader] == [True, True]
 
 
+class RegionModuleImported:
+    """A transform: whether the region decoder's module is imported where it runs."""
+
+    def __call__(self, image):
+        return "torch_spdl.io.region" in sys.modules
+
+
+def test_an_image_folders_worker_process_finds_the_region_decoders_module_imported(jpeg_folder):
+    """Where the fork server preloads torchvision's folder datasets, it imports the module of
+    the region decoder that their crops may use (torch_spdl.crop_first), once."""
+    if multiprocessing.active_children() or not compat.stop_forkserver():
+        pytest.skip("the running fork server cannot be restarted here")
+    dataset = torchvision.datasets.ImageFolder(str(jpeg_folder), transform=RegionModuleImported())
+    loader = ours(dataset, batch_size=1, num_workers=1)
+    assert [images.tolist() for images, _ in loader] == [[True]] * len(dataset)
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def raised(loader) -> tuple[BaseException, list]:
     """The exception iterating ``loader`` raises, and the batches delivered before it."""

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .failures import SKIPPED, FailureBudget, Step, gather
+from .folder import folder_samples
 from .pipeline import Failure
 from .transfer import map_tensors
 from .workers import single_threaded_kernels
@@ -102,6 +103,7 @@ def batch_fetcher(
 
     With an enabled failure ``budget`` the samples that raise are left out instead.
     """
+    dataset = folder_samples(dataset)  # an ImageFolder's crop decoded alone, where it applies
     if budget is not None and budget.enabled:
         return tolerant_fetcher(dataset, auto_collation, finish, budget)
     getitems = getattr(dataset, "__getitems__", None)

@@ -6,6 +6,11 @@ work splits cleanly: ``load`` reads the file's bytes (I/O threads) and ``preproc
 exactly as ``pil_loader`` does, then applies the dataset's ``transform``/``target_transform``
 (CPU threads). Samples are identical to ``dataset[index]``. A custom ``loader``, another image
 backend, or a subclass with its own ``__getitem__`` is left alone.
+
+Where the dataset's transform starts with torchvision's ``RandomResizedCrop``, only the crop of a
+JPEG is decoded (:mod:`torch_spdl.crop_first`: the same pixels, the same draws), in
+``preprocess`` and, where the loader reads the dataset whole (worker processes, ``"auto"``'s
+threads), through :class:`FolderSamples`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import sys
 from typing import Any
 
 from PIL import Image
+
+from .crop_first import crop_first
 
 
 class FolderHooks:
@@ -30,12 +37,48 @@ class FolderHooks:
 
     def preprocess(self, raw: tuple[bytes, Any, str]) -> tuple[Any, Any]:
         data, target, path = raw
-        sample = Image.open(_File(data, path)).convert("RGB")  # what pil_loader returns
-        if self.dataset.transform is not None:
-            sample = self.dataset.transform(sample)
+        file = _File(data, path)
+        transform, first = self.dataset.transform, crop_first(self.dataset.transform)
+        if first is not None:  # the crop decoded alone, the same pixels
+            sample = first(Image.open(file), file)
+        else:
+            sample = Image.open(file).convert("RGB")  # what pil_loader returns
+            if transform is not None:
+                sample = transform(sample)
         if self.dataset.target_transform is not None:
             target = self.dataset.target_transform(target)
         return sample, target
+
+
+class FolderSamples:
+    """``dataset[index]`` for an unmodified folder dataset (:func:`folder_hooks`) read whole, as
+    worker processes and ``"auto"``'s threads read it: where its transform starts with a
+    ``RandomResizedCrop``, the file is opened as ``pil_loader`` opens it and only the crop is
+    decoded (:mod:`torch_spdl.crop_first`, the same sample); elsewhere ``dataset[index]``."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        dataset = self.dataset
+        first = crop_first(dataset.transform)
+        if first is None:
+            return dataset[index]
+        path, target = dataset.samples[index]
+        with open(path, "rb") as file:
+            sample = first(Image.open(file), file)
+        if dataset.target_transform is not None:
+            target = dataset.target_transform(target)
+        return sample, target
+
+
+def folder_samples(dataset: Any) -> Any:
+    """What reads ``dataset[index]`` for a whole batch's fetch: a :class:`FolderSamples` for an
+    unmodified torchvision folder dataset, else ``dataset`` itself."""
+    return dataset if folder_hooks(dataset) is None else FolderSamples(dataset)
 
 
 def folder_hooks(dataset: Any) -> FolderHooks | None:

@@ -15,6 +15,11 @@ pass, and paid these at every start:
   "forkserver"``) runs BLAS on one thread too, as torch runs its own kernels there.
 - **Pillow's format plugins** (``Image.preinit()``, which imports them at the first
   ``Image.open``): a colder first sample in every worker.
+- **The region decoder's module** (:mod:`torch_spdl.io.region`, 0.1 s here), where the server
+  has preloaded torchvision's folder datasets: an ``ImageFolder`` whose transform starts with
+  ``RandomResizedCrop`` decodes only the crop (:mod:`torch_spdl.crop_first`). nvImageCodec
+  itself is left to each worker (16 ms, and 18 ms for its check against Pillow): it loads the
+  GPU codecs' libraries it finds, which a process that forks is better without.
 
 Only modules the server has already imported are set up. A set-up that fails is left to the
 worker, which meets the error where it can report it: the server must not die of it (its
@@ -24,6 +29,7 @@ preload stops only an ``ImportError``).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 
 from .blas import single_threaded_blas
@@ -37,6 +43,9 @@ def warm() -> None:
     if pil is not None:
         with contextlib.suppress(Exception):
             pil.preinit()
+    if "torchvision.datasets.folder" in sys.modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module("torch_spdl.io.region")
 
 
 warm()

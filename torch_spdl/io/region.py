@@ -56,6 +56,48 @@ def region_decoder() -> RegionDecode | None:
     return _Decoder(module)
 
 
+@functools.cache
+def decodes_as_pillow() -> bool:
+    """Whether the region decoder's pixels equal Pillow's whole decode, cropped, on JPEGs that
+    Pillow encodes here: 4:2:0, 4:2:2 and 4:4:4 chroma, baseline and progressive, with a region
+    off every block edge. Both are libjpeg-turbo, with the same default settings, so they agree
+    unless a build differs (another libjpeg, other defaults): then a difference shows on any
+    image, and these find it. Once per process; False without the region decoder, or where the
+    check itself fails."""
+    try:
+        return _decodes_as_pillow()
+    except Exception:  # a Pillow without JPEG support, say: decode whole, as before
+        return False
+
+
+def _decodes_as_pillow() -> bool:
+    decode = region_decoder()
+    if decode is None:
+        return False
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    # noise over a gradient: every block holds detail, and the colours vary across the image
+    ramp = np.linspace(0, 200, 61 * 47 * 3).reshape(47, 61, 3)
+    pixels = (ramp + rng.integers(0, 56, (47, 61, 3))).astype(np.uint8)
+    box = (5, 7, 30, 33)  # top, left, height, width
+    for subsampling, progressive in ((2, False), (1, False), (0, False), (2, True)):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(
+            buffer, "JPEG", quality=90, subsampling=subsampling, progressive=progressive
+        )
+        data = buffer.getvalue()
+        whole = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        region = decode(np.frombuffer(data, np.uint8), whole.shape[:2], box)
+        top, left, height, width = box
+        expected = whole[top : top + height, left : left + width]
+        if region is None or not np.array_equal(region[0].permute(1, 2, 0).numpy(), expected):
+            return False
+    return True
+
+
 def _import_quietly() -> Any:
     """``nvidia.nvimgcodec``, or None. Importing it loads every codec extension it ships, and
     those that find no nvJPEG, nvJPEG2000 or nvTIFF (a host without them: the CPU decoder needs
