@@ -83,6 +83,26 @@ def test_custom_loader_or_getitem_is_left_alone(folder):
     assert folder_hooks(torch.utils.data.TensorDataset(torch.zeros(2))) is None
 
 
+class ReadsBatches(torchvision.datasets.ImageFolder):
+    """A folder that reads each batch through ``__getitems__``, as torch's fetch calls it: each
+    sample's label says so."""
+
+    def __getitems__(self, indices):
+        return [(image, target + 100) for image, target in map(self.__getitem__, indices)]
+
+
+@pytest.mark.parametrize(("num_workers", "method"), [(2, "thread"), (2, "process"), (2, "auto")])
+def test_a_folder_with_its_own_getitems_is_read_through_it_as_torch_reads_it(
+    folder, num_workers, method
+):
+    dataset = ReadsBatches(str(folder), transform=TRANSFORM)
+    assert folder_hooks(dataset) is None
+    want = to_lists(torch.utils.data.DataLoader(dataset, batch_size=5))
+    assert all(label >= 100 for _, labels in want for label in labels)
+    loader = DataLoader(dataset, batch_size=5, num_workers=num_workers, worker_method=method)
+    assert to_lists(loader) == want
+
+
 def test_user_hooks_take_precedence(folder):
     loader = DataLoader(image_folder(folder), preprocess_fn=lambda sample: sample, num_workers=2)
     assert not isinstance(getattr(loader._hooks.load, "__self__", None), FolderHooks)

@@ -82,7 +82,8 @@ def folder_samples(dataset: Any) -> Any:
 
 
 def folder_hooks(dataset: Any) -> FolderHooks | None:
-    """Hooks for an unmodified torchvision folder dataset, or None for anything else.
+    """Hooks for an unmodified torchvision folder dataset, or None for anything else (a custom
+    loader, another image backend, a subclass with its own ``__getitem__`` or ``__getitems__``).
 
     Such a dataset exists only once torchvision is imported: a loader over anything else does
     not import it.
@@ -96,6 +97,8 @@ def folder_hooks(dataset: Any) -> FolderHooks | None:
     if not isinstance(dataset, DatasetFolder):
         return None
     if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
+        return None
+    if hasattr(dataset, "__getitems__"):  # torch's fetch reads its batches through that
         return None
     if dataset.loader is not default_loader or torchvision.get_image_backend() != "PIL":
         return None
