@@ -24,7 +24,7 @@ from .hooks import resolve_hooks
 from .iterator import _ThreadDataLoaderIter
 from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import PipelineBuilder
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, stays_on_threads
 from .sampling import (
     SHOWN_TYPES,
     AutoEpochSampler,
@@ -208,7 +208,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._shard()
         self._stats_probe: StatsProbe | None = None
         # the fork server its workers will likely come from, importing while the model is built
-        stays = is_iterable(self.dataset) or (is_stateful(self.dataset) and self._hooks is None)
+        stays = stays_on_threads(is_iterable(self.dataset), is_stateful(self.dataset), self._hooks)
         self._early_server = early_server.start(self, stays_on_threads=stays)
 
     # -- options ----------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def make_plan(
     accelerator); ``stateful``: the dataset has ``state_dict``/``load_state_dict``."""
     may_switch = num_workers > 0 and options.worker_method == AUTO
     decided = decided if may_switch else None
-    copies = stateful and not iterable and hooks is None and num_workers > 0
+    copies = on_copies(iterable, stateful, hooks) and num_workers > 0
     executor = _executor(options, num_workers, persistent, iterable or copies, decided)
     hooks, whole = _hooks_run(hooks, executor, may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
@@ -156,6 +156,19 @@ def make_plan(
         load_many=load_many,
         whole=whole,
     )
+
+
+def on_copies(iterable: bool, stateful: bool, hooks: Hooks | None) -> bool:
+    """Whether a map-style dataset runs on its workers' own copies: one with state of its own
+    (``state_dict``/``load_state_dict``) read whole, without hooks. With an IterableDataset, such
+    a stage stays where it starts: ``"auto"`` keeps it on threads (see :data:`_STAY`)."""
+    return stateful and not iterable and hooks is None
+
+
+def stays_on_threads(iterable: bool, stateful: bool, hooks: Hooks | None) -> bool:
+    """Whether ``"auto"`` keeps the CPU stage on threads from the start, whatever it measures:
+    an IterableDataset's streams, or a dataset on its workers' copies (:func:`on_copies`)."""
+    return iterable or on_copies(iterable, stateful, hooks)
 
 
 _STAY = {  # why "auto" leaves a stage on threads from the start: an IterableDataset, or not
