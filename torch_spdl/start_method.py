@@ -47,7 +47,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     with SERVER_LOCK:
         wanted = _forkserver_preload(preload)
         if forkserver_running() and _lacks(_server_preload, wanted):
-            if _server_children() or not stop_forkserver(end=_forked_children()):
+            if not _stop_unused():
                 return context  # it keeps what it has: its workers import the rest themselves
             wanted = _warm_last([*_server_preload, *wanted])
         if not forkserver_running():
@@ -61,9 +61,14 @@ def stop_idle_server() -> bool:
     :func:`start_context`); whether it stopped. A server still importing its preload reads its
     alive pipe only once done: this waits for that."""
     with SERVER_LOCK:
-        if not forkserver_running() or _server_children():
-            return False
-        return stop_forkserver(end=_forked_children())
+        return forkserver_running() and _stop_unused()
+
+
+def _stop_unused() -> bool:
+    """Stop the running fork server where no process of its runs; whether it stopped. Ended by
+    SIGTERM where a child forked from this process holds its alive pipe. The caller holds
+    :data:`SERVER_LOCK`."""
+    return not _server_children() and stop_forkserver(end=_forked_children())
 
 
 # The fork server's preload list as this module last set it before the server started. A pool
