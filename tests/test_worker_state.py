@@ -77,7 +77,8 @@ def records(tmp_path) -> str:
 def moves(quick_switch, monkeypatch):
     """``"auto"`` decides after its least tasks and steps, and moves whatever is left."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
-    monkeypatch.setattr(auto, "MIN_REMAINING_S", 0.0)
+    monkeypatch.setattr(auto, "COLD_START_S", 0.0)
+    monkeypatch.setattr(auto, "WARM_START_S", 0.0)
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -299,7 +300,8 @@ def test_auto_reads_a_dataset_with_state_in_turns_where_processes_cannot_start(
 
 
 def test_a_second_loader_over_the_same_dataset_knows_its_state(records, no_child_left, monkeypatch):
-    monkeypatch.setattr(auto, "MIN_REMAINING_S", 1e9)  # stays on threads: in turns
+    for start in ("COLD_START_S", "WARM_START_S"):  # stays on threads: in turns
+        monkeypatch.setattr(auto, start, 1e9)
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
     dataset = Records(records, 512)
     for _ in range(2):  # the first loader's threads opened the file the second one reads

@@ -31,8 +31,10 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   :mod:`torch_spdl.worker_state`); where they cannot start, its threads take turns.
 - **threads** otherwise, and always with the GIL off (free-threaded Python), on one core, for a
   stage that cannot move (an unpicklable dataset, an iterable's stream, a script without a main
-  guard). Where what is left of the pass is too short to pay for starting processes
-  (:data:`MIN_REMAINING_S`), they start with the next pass and this one ends on threads.
+  guard). Where what processes would save of the rest of the pass (:meth:`Measured.gain`)
+  would not pay for their start (:data:`COLD_START_S` where no fork server runs yet,
+  :data:`WARM_START_S` where one does), they start with the next pass and this one ends on
+  threads: on a small host, a stage near a threshold would give up seconds to save a tenth.
 
 A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
 ``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
@@ -72,7 +74,10 @@ MIN_KNOCK_S = 0.01  # the probe's time before its figures say anything (a starve
 # rarely, each knock long: its time, not its count, says when enough was seen)
 BUSY_CORES = 0.7  # the loader's cores (on a CPU or queued for one) below which waiting is I/O
 INLINE_BATCH_S = 0.001  # CPU per batch under which a GIL-bound stage is cheapest in the loop
-MIN_REMAINING_S = 2.0  # work left in the pass, at thread speed, that pays for starting processes
+COLD_START_S = 2.0  # what starting worker processes costs where no fork server runs: it
+# imports torch and the dataset's modules (3 s on 2 cores, 7.6-12 s on 16-core GPU hosts), on
+# cores the threads are using
+WARM_START_S = 0.3  # from a running fork server: each worker forks, unpickles its job, starts
 TRIAL_S = 0.3  # the least time the trial lasts, once it has enough tasks and steps
 TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
@@ -80,7 +85,7 @@ TRIAL_THREADS = 4  # the threads a trial begins on: a stage the GIL binds on so 
 # processes at once; one it does not is measured again on all its threads
 
 THREAD, PROCESS, INLINE = "thread", "process", "inline"
-NEXT_PASS = "from the next pass (what is left of this one is too short to start them)"
+NEXT_PASS = "from the next pass (what they would save of this one would not pay for their start)"
 
 
 class ThreadClock:
@@ -246,6 +251,15 @@ class Measured:
         on_cpu, queued = self.stage.cpu / wall, self.stage_queued
         return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
 
+    def gain(self, cpus: int) -> float:
+        """The share of the stage's time worker processes would save: the cores its threads
+        leave idle, of those its workers could use beside the training loop, or the share of
+        its steps the training loop is held off by the GIL, whichever is more."""
+        usable = min(max(self.workers, self.threads), max(1.0, cpus - self.consumer_cpu))
+        idle = max(0.0, 1.0 - self.busy_cores / usable)
+        held = self.consumer_held if self.consumer_cpu >= CONSUMER_CPU else 0.0
+        return max(idle, held)
+
     @property
     def batch_cpu_s(self) -> float:
         return self.stage.cpu / max(self.stage.count, 1) * self.tasks_per_batch
@@ -280,7 +294,7 @@ class Decision:
     executor: str
     reason: str
     measured: Measured | None = None
-    deferred: bool = False  # from the next pass on: what is left of this one is too short to move
+    deferred: bool = False  # from the next pass on: moving now would not pay
     free: bool = False  # the GIL did not bind the stage's threads: on more of them, it might
 
     def __str__(self) -> str:
@@ -305,12 +319,15 @@ def decide(
     inline_possible: bool = True,
     remaining_tasks: int | None = None,
     keeps_state: str | None = None,
+    start_s: float | None = None,
 ) -> Decision:
     """The rule (see the module's docstring). ``no_processes`` says why the stage cannot move to
     processes, if it cannot; ``remaining_tasks``: the pass's tasks not yet begun, if known;
-    ``keeps_state`` what the dataset sets on itself as it reads, if it does."""
+    ``keeps_state`` what the dataset sets on itself as it reads, if it does; ``start_s`` what
+    starting processes costs (:func:`start_cost`; :data:`COLD_START_S` if None)."""
+    start_s = COLD_START_S if start_s is None else start_s
     if keeps_state is not None:
-        return _for_state(measured, keeps_state, no_processes, remaining_tasks)
+        return _for_state(measured, keeps_state, no_processes, remaining_tasks, start_s)
     cpus = cpus or cores()
     if not gil_enabled:
         return Decision(THREAD, "the GIL is off (free-threaded Python)", measured)
@@ -343,20 +360,37 @@ def decide(
         return Decision(THREAD, f"{bound}, but {no_processes}", measured)
     if cpus < 2:
         return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
-    if _too_short(measured, remaining_tasks):
-        return Decision(PROCESS, f"{bound}: worker processes {NEXT_PASS}", measured, deferred=True)
+    left_s = _left_s(measured, remaining_tasks)
+    if left_s is not None and left_s * measured.gain(cpus) < start_s:
+        saved = f"about {left_s * measured.gain(cpus):.1f} s of the {left_s:.1f} s left"
+        return Decision(
+            PROCESS, f"{bound}: worker processes {NEXT_PASS}: {saved}", measured, deferred=True
+        )
     return Decision(PROCESS, f"{bound}: worker processes", measured)
 
 
-def _too_short(measured: Measured, remaining_tasks: int | None) -> bool:
-    """What is left of the pass, at the threads' speed, would not pay for starting processes."""
+def _left_s(measured: Measured, remaining_tasks: int | None) -> float | None:
+    """What is left of the pass, in seconds at the threads' speed (None: its length is unknown,
+    and processes pay for themselves in a long pass)."""
     if remaining_tasks is None:
-        return False
-    return remaining_tasks * measured.task_s / measured.workers < MIN_REMAINING_S
+        return None
+    return remaining_tasks * measured.task_s / measured.workers
+
+
+def start_cost() -> float:
+    """What starting worker processes costs now: less where this process's fork server already
+    runs (started by an earlier pool, or as the loader was made: :mod:`torch_spdl.early_server`)."""
+    from .compat import forkserver_running
+
+    return WARM_START_S if forkserver_running() else COLD_START_S
 
 
 def _for_state(
-    measured: Measured, keeps_state: str, no_processes: str | None, remaining_tasks: int | None
+    measured: Measured,
+    keeps_state: str,
+    no_processes: str | None,
+    remaining_tasks: int | None,
+    start_s: float,
 ) -> Decision:
     """A dataset with state per worker (:mod:`torch_spdl.worker_state`) is read in processes,
     each with a copy of its own, whatever the GIL does; where it stays on threads, they take
@@ -365,7 +399,8 @@ def _for_state(
     if no_processes is not None:
         return Decision(THREAD, f"{keeps_state}, but {no_processes}: {turns}", measured)
     copies = "worker processes, each with a copy of its own"
-    if _too_short(measured, remaining_tasks):
+    left_s = _left_s(measured, remaining_tasks)
+    if left_s is not None and left_s < start_s:  # the threads' turns: all of it is to save
         return Decision(
             PROCESS,
             f"{keeps_state}: {copies}, {NEXT_PASS}; until then {turns}",
@@ -493,7 +528,7 @@ class Trial:
     def needed(self) -> int:
         """The tasks the trial waits for: :data:`TRIAL_TASKS_PER_WORKER` per worker and a batch's
         at least, but half the pass at most, so that a short pass still decides (for the passes
-        after it, where what is left of it is too short to move)."""
+        after it, where moving during it would not pay)."""
         needed = max(TRIAL_TASKS_PER_WORKER * self.workers, math.ceil(self.tasks_per_batch))
         return needed if self.total is None else max(1, min(needed, self.total // 2))
 

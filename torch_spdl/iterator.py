@@ -27,7 +27,7 @@ import torch.utils.data
 from torch.utils.data import IterDataPipe
 
 from . import early_server, gil, pass_record, resume
-from .auto import PROCESS, THREAD, Decision, Trial, cores, decide, first_trial
+from .auto import PROCESS, THREAD, Decision, Trial, cores, decide, first_trial, start_cost
 from .batching import (
     Assembler,
     FetchTask,
@@ -429,6 +429,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 inline_possible=inline_possible,
                 remaining_tasks=trial.remaining(),  # what processes could take
                 keeps_state=None if watch is None else watch.describe(),
+                start_s=start_cost(),
             )
             decision = rule(no_processes=budget or (None if watch is None else watch.no_copies()))
             if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look
