@@ -173,7 +173,7 @@ def region_calls(monkeypatch):
 
     if region.region_decoder() is None:
         pytest.skip("needs nvImageCodec (torch_spdl[jpeg-region])")
-    assert region.decodes_as_pillow()
+    assert region.decodes_as_pillow() and region.decodes_as_torchvision()  # checked, not counted
     decode, calls = region.region_decoder(), []
 
     def counted(*args):
@@ -244,6 +244,105 @@ def test_the_check_finds_a_region_decoder_whose_pixels_are_not_pillows(monkeypat
     decode = region.region_decoder()
     if decode is None:
         pytest.skip("needs nvImageCodec (torch_spdl[jpeg-region])")
-    assert region._decodes_as_pillow()
+    checks = (region.decodes_as_pillow.__wrapped__, region.decodes_as_torchvision.__wrapped__)
+    assert all(check() for check in checks)
     monkeypatch.setattr(region, "region_decoder", lambda: lambda *args: decode(*args) ^ 1)
-    assert not region._decodes_as_pillow()
+    assert not any(check() for check in checks)
+
+
+# -- a v2 Compose that decodes a custom loader's bytes, then takes a RandomResizedCrop -------------
+def read_tensor(path: str) -> torch.Tensor:
+    """A custom loader: the file's bytes as a uint8 tensor, for the transform to decode."""
+    with open(path, "rb") as file:
+        return torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
+
+
+def tensor_decoders():
+    import torchvision.io
+
+    from torch_spdl.io import decode_image
+
+    return [decode_image, torchvision.io.decode_image, torchvision.io.decode_jpeg]
+
+
+def tensor_folder(root, decode):
+    from torchvision.transforms import v2
+
+    transform = v2.Compose([decode, v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()])
+    return torchvision.datasets.ImageFolder(str(root), loader=read_tensor, transform=transform)
+
+
+def sample_or_error(read, index):
+    try:
+        return read(index)
+    except Exception as error:  # a decoder that refuses the file refuses it either way
+        return type(error)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision's decoders, in 0.29
+@pytest.mark.parametrize("which", range(3))
+def test_a_v2_compose_that_decodes_then_crops_is_the_datasets_own_sample(
+    jpegs, region_calls, which
+):
+    """Every sample, seeded alike, equals ``dataset[index]`` bit for bit and in the same memory
+    layout (or fails as it fails), with our decoder or torchvision's; the plain JPEGs' crops
+    were decoded alone, the others whole."""
+    from torch_spdl.folder import FolderSamples
+
+    dataset = tensor_folder(jpegs, tensor_decoders()[which])
+    whole = FolderSamples(dataset)
+    for index in range(len(dataset)):
+        torch.manual_seed(index)
+        want = sample_or_error(dataset.__getitem__, index)
+        torch.manual_seed(index)
+        got = sample_or_error(whole.__getitem__, index)
+        if isinstance(want, type):
+            assert got is want, dataset.samples[index]
+            continue
+        assert got[1] == want[1] and torch.equal(got[0], want[0]), dataset.samples[index]
+        assert got[0].stride() == want[0].stride()
+    assert len(region_calls) == 4 * 3  # 4:2:0, 4:2:2, 4:4:4 and progressive: 3 files each
+
+
+@pytest.mark.parametrize(("num_workers", "method"), [(0, "auto"), (2, "process")])
+def test_a_loader_of_decoded_crops_gives_torchs_batches(jpegs, region_calls, num_workers, method):
+    from torch_spdl.io import decode_image
+
+    def folder():  # without the PNG, which torch's default collate would not stack with RGB
+        return tensor_folder(jpegs, decode_image)
+
+    torch.manual_seed(0)
+    want = to_lists(torch.utils.data.DataLoader(folder(), batch_size=4))
+    torch.manual_seed(0)
+    loader = DataLoader(folder(), batch_size=4, num_workers=num_workers, worker_method=method)
+    got = to_lists(loader)
+    if num_workers == 0:
+        assert got == want and region_calls  # drawn in this thread, as torch draws them
+    else:
+        assert [labels for _, labels in got] == [labels for _, labels in want]
+        assert all(np.shape(images) == (4, 3, 24, 24) for images, _ in got[:-1])
+
+
+def test_only_a_known_decoder_then_v2s_random_resized_crop_decodes_the_crop_alone(monkeypatch):
+    from torchvision.transforms import v2
+
+    from torch_spdl import crop_first
+    from torch_spdl.io import decode_image, region
+
+    if region.region_decoder() is None:
+        pytest.skip("needs nvImageCodec (torch_spdl[jpeg-region])")
+    crop = v2.RandomResizedCrop(8)
+    for decode in tensor_decoders():
+        assert crop_first.tensor_crop_first(v2.Compose([decode, crop])) is not None
+    mine = type("Mine", (v2.RandomResizedCrop,), {})(8)
+    for transform in (
+        v2.Compose([crop, decode_image]),
+        v2.Compose([lambda data: decode_image(data), crop]),  # a decoder we do not know
+        v2.Compose([decode_image, mine]),
+        v2.Compose([decode_image]),
+        transforms.Compose([decode_image, crop]),
+        None,
+    ):
+        assert crop_first.tensor_crop_first(transform) is None, transform
+    monkeypatch.setattr(region, "decodes_as_torchvision", lambda: False)
+    assert crop_first.tensor_crop_first(v2.Compose([decode_image, crop])) is None

@@ -5,12 +5,14 @@ that waits on storage cannot decode meanwhile. With torchvision's default (PIL) 
 work splits cleanly: ``load`` reads the file's bytes (I/O threads) and ``preprocess`` decodes them
 exactly as ``pil_loader`` does, then applies the dataset's ``transform``/``target_transform``
 (CPU threads). Samples are identical to ``dataset[index]``. A custom ``loader``, another image
-backend, or a subclass with its own ``__getitem__`` is left alone.
+backend, or a subclass with its own ``__getitem__`` is not split.
 
 Where the dataset's transform starts with torchvision's ``RandomResizedCrop``, only the crop of a
 JPEG is decoded (:mod:`torch_spdl.crop_first`: the same pixels, the same draws), in
 ``preprocess`` and, where the loader reads the dataset whole (worker processes, ``"auto"``'s
-threads), through :class:`FolderSamples`.
+threads), through :class:`FolderSamples`. So is a custom ``loader``'s, where it returns the
+file's bytes as a tensor and the transform is a v2 ``Compose`` that decodes them, then takes a
+v2 ``RandomResizedCrop`` (:class:`~torch_spdl.crop_first.TensorCropFirst`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from PIL import Image
 
-from .crop_first import crop_first
+from .crop_first import crop_first, tensor_crop_first
 
 
 class FolderHooks:
@@ -51,10 +53,12 @@ class FolderHooks:
 
 
 class FolderSamples:
-    """``dataset[index]`` for an unmodified folder dataset (:func:`folder_hooks`) read whole, as
-    worker processes and ``"auto"``'s threads read it: where its transform starts with a
-    ``RandomResizedCrop``, the file is opened as ``pil_loader`` opens it and only the crop is
-    decoded (:mod:`torch_spdl.crop_first`, the same sample); elsewhere ``dataset[index]``."""
+    """``dataset[index]`` for a folder dataset that does not define how it is read
+    (:func:`_unmodified`) read whole, as worker processes and ``"auto"``'s threads read it:
+    where its transform starts with a ``RandomResizedCrop``, the file is opened as ``pil_loader``
+    opens it and only the crop is decoded (:mod:`torch_spdl.crop_first`, the same sample); with a
+    custom loader whose bytes a v2 ``Compose`` decodes and crops, only the crop is decoded too;
+    elsewhere ``dataset[index]``."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -64,45 +68,61 @@ class FolderSamples:
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         dataset = self.dataset
-        first = crop_first(dataset.transform)
-        if first is None:
-            return dataset[index]
-        path, target = dataset.samples[index]
-        with open(path, "rb") as file:
-            sample = first(Image.open(file), file)
+        if _pil_loaded(dataset):
+            first = crop_first(dataset.transform)
+            if first is None:
+                return dataset[index]
+            path, target = dataset.samples[index]
+            with open(path, "rb") as file:
+                sample = first(Image.open(file), file)
+        else:
+            tensor = tensor_crop_first(dataset.transform)
+            if tensor is None:
+                return dataset[index]
+            path, target = dataset.samples[index]
+            sample = dataset.loader(path)
+            sample = tensor(sample) if tensor.applies(sample) else dataset.transform(sample)
         if dataset.target_transform is not None:
             target = dataset.target_transform(target)
         return sample, target
 
 
 def folder_samples(dataset: Any) -> Any:
-    """What reads ``dataset[index]`` for a whole batch's fetch: a :class:`FolderSamples` for an
-    unmodified torchvision folder dataset, else ``dataset`` itself."""
-    return dataset if folder_hooks(dataset) is None else FolderSamples(dataset)
+    """What reads ``dataset[index]`` for a whole batch's fetch: a :class:`FolderSamples` for a
+    torchvision folder dataset that does not define how it is read, else ``dataset`` itself."""
+    return FolderSamples(dataset) if _unmodified(dataset) else dataset
 
 
 def folder_hooks(dataset: Any) -> FolderHooks | None:
     """Hooks for an unmodified torchvision folder dataset, or None for anything else (a custom
-    loader, another image backend, a subclass with its own ``__getitem__`` or ``__getitems__``).
+    loader, another image backend, a subclass with its own ``__getitem__`` or ``__getitems__``)."""
+    return FolderHooks(dataset) if _unmodified(dataset) and _pil_loaded(dataset) else None
+
+
+def _unmodified(dataset: Any) -> bool:
+    """Whether ``dataset`` is a torchvision folder dataset read by ``DatasetFolder``'s own
+    ``__getitem__`` (a subclass with its own ``__getitem__`` or ``__getitems__`` is not).
 
     Such a dataset exists only once torchvision is imported: a loader over anything else does
     not import it.
     """
     if "torchvision.datasets" not in sys.modules:
-        return None
-    import torchvision
+        return False
     from torchvision.datasets import DatasetFolder
+
+    return (
+        isinstance(dataset, DatasetFolder)
+        and type(dataset).__getitem__ is DatasetFolder.__getitem__
+        and not hasattr(dataset, "__getitems__")  # torch's fetch reads its batches through that
+    )
+
+
+def _pil_loaded(dataset: Any) -> bool:
+    """Whether a folder dataset reads its files with torchvision's default loader, as PIL."""
+    import torchvision
     from torchvision.datasets.folder import default_loader
 
-    if not isinstance(dataset, DatasetFolder):
-        return None
-    if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
-        return None
-    if hasattr(dataset, "__getitems__"):  # torch's fetch reads its batches through that
-        return None
-    if dataset.loader is not default_loader or torchvision.get_image_backend() != "PIL":
-        return None
-    return FolderHooks(dataset)
+    return dataset.loader is default_loader and torchvision.get_image_backend() == "PIL"
 
 
 class _File(io.BytesIO):

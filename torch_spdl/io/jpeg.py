@@ -88,6 +88,32 @@ def jpeg_dimensions(encoded: Encoded) -> tuple[int, int] | None:
     return None
 
 
+_APP2, _APP14 = 0xE2, 0xEE
+_ICC, _ADOBE = b"ICC_PROFILE\x00", b"Adobe"
+
+
+def plain_rgb_size(encoded: Encoded) -> tuple[int, int] | None:
+    """``(height, width)`` of a JPEG that every libjpeg-based decoder turns into the same RGB
+    pixels: three components (YCbCr), no ICC profile (a decoder may apply it, or not) and no
+    Adobe marker (its colour transform is each decoder's to read); None for any other file."""
+    data = as_array(encoded)
+    buf = data.data
+    try:
+        for marker, start, length in _segments(data):
+            payload = buf[start : start + length]
+            if marker == _APP2 and payload[: len(_ICC)] == _ICC:
+                return None
+            if marker == _APP14 and payload[: len(_ADOBE)] == _ADOBE:
+                return None
+            if marker in _FRAMES:
+                return _size(payload) if length == 6 + 3 * 3 and payload[5] == 3 else None
+            if marker in _UNREAD or marker in (_SOS, _EOI):
+                return None
+    except ValueError:
+        return None
+    return None
+
+
 def check_jpeg(encoded: Encoded) -> None:
     """Raise ``ValueError`` naming what is wrong if libjpeg would refuse the JPEG ``encoded``
     before decoding its data (see the module); return quietly otherwise."""

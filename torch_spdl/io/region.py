@@ -64,13 +64,41 @@ def decodes_as_pillow() -> bool:
     unless a build differs (another libjpeg, other defaults): then a difference shows on any
     image, and these find it. Once per process; False without the region decoder, or where the
     check itself fails."""
+    import io
+
+    from PIL import Image
+
+    return _agrees(lambda data: np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+@functools.cache
+def decodes_as_torchvision() -> bool:
+    """:func:`decodes_as_pillow`'s check against torchvision's decoder (libjpeg-turbo too, built
+    into torchvision), which :func:`torch_spdl.io.decode_image` and torchvision's own
+    ``decode_image``/``decode_jpeg`` call for a JPEG."""
+    from torchvision.io import ImageReadMode
+
+    from .image import torchvision_decoder
+
+    decode = torchvision_decoder()
+
+    def whole(data: bytes) -> np.ndarray:
+        image = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB)
+        return image.permute(1, 2, 0).numpy()
+
+    return _agrees(whole)
+
+
+def _agrees(whole: Callable[[bytes], np.ndarray]) -> bool:
+    """Whether the region decoder's pixels equal ``whole``'s (bytes → ``H×W×3`` uint8) cropped,
+    on the images :func:`decodes_as_pillow` names; False where either fails."""
     try:
-        return _decodes_as_pillow()
+        return _agrees_on_samples(whole)
     except Exception:  # a Pillow without JPEG support, say: decode whole, as before
         return False
 
 
-def _decodes_as_pillow() -> bool:
+def _agrees_on_samples(whole: Callable[[bytes], np.ndarray]) -> bool:
     decode = region_decoder()
     if decode is None:
         return False
@@ -89,10 +117,10 @@ def _decodes_as_pillow() -> bool:
             buffer, "JPEG", quality=90, subsampling=subsampling, progressive=progressive
         )
         data = buffer.getvalue()
-        whole = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-        region = decode(np.frombuffer(data, np.uint8), whole.shape[:2], box)
+        expected_whole = whole(data)
+        region = decode(np.frombuffer(data, np.uint8), expected_whole.shape[:2], box)
         top, left, height, width = box
-        expected = whole[top : top + height, left : left + width]
+        expected = expected_whole[top : top + height, left : left + width]
         if region is None or not np.array_equal(region[0].permute(1, 2, 0).numpy(), expected):
             return False
     return True
