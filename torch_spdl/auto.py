@@ -252,13 +252,14 @@ class Measured:
         return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
 
     def gain(self, cpus: int) -> float:
-        """The share of the stage's time worker processes would save: the cores its threads
-        leave idle, of those its workers could use beside the training loop, or the share of
-        its steps the training loop is held off by the GIL, whichever is more."""
+        """The share of the stage's time worker processes would save, the largest of: the cores
+        its threads leave idle, of those its workers could use beside the training loop; the
+        threads' own wait for the GIL; the share of its steps the training loop is held off by
+        the GIL."""
         usable = min(max(self.workers, self.threads), max(1.0, cpus - self.consumer_cpu))
         idle = max(0.0, 1.0 - self.busy_cores / usable)
         held = self.consumer_held if self.consumer_cpu >= CONSUMER_CPU else 0.0
-        return max(idle, held)
+        return max(idle, self.stage_wait, held)
 
     @property
     def batch_cpu_s(self) -> float:
