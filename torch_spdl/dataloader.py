@@ -22,7 +22,7 @@ from .cache import ByteLRU, CacheStats
 from .compat import is_iterable
 from .hooks import resolve_hooks
 from .iterator import _ThreadDataLoaderIter
-from .options import DEFAULT_IO_WORKERS, FIXED_AFTER_INIT, NAMES, Options
+from .options import DEFAULT_IO_WORKERS, DEFAULT_WORKER_NICE, FIXED_AFTER_INIT, NAMES, Options
 from .pipeline import PipelineBuilder
 from .plan import Plan, make_plan, stays_on_threads
 from .sampling import (
@@ -89,6 +89,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
       thread where a batch is cheaper than a hand-off (see :mod:`torch_spdl.auto`);
       ``"thread"`` and ``"process"`` fix the choice (see :mod:`torch_spdl.processes`).
       ``"multiprocessing"`` (torch's name) means ``"process"``.
+    - ``worker_nice``: worker processes run this much below the training loop's CPU priority
+      (``nice``'s increment, 0 to 19): where they fill the cores, the loop that launches the
+      kernels still gets a core when it needs one. ``0`` runs them as torch's run. Worker
+      threads keep the loop's priority (a thread that waited for a core while holding the GIL
+      would hold up the loop).
     - ``snapshot_every_n_steps``: torchdata's ``StatefulDataLoader`` option, with its meaning:
       how often (in batches) a sampler's or dataset's own ``state_dict()`` is recorded for
       :meth:`state_dict`. Each record is a ``state_dict()`` call and a deep copy; a resume
@@ -107,6 +112,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     cache_bytes: int | None
     preload: bool
     worker_method: str
+    worker_nice: int
     max_failures: int | float
     stats_interval: float | None
     stall_warning: float | None
@@ -142,6 +148,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         cache_bytes: int | None = None,
         preload: bool = False,
         worker_method: str = "auto",
+        worker_nice: int = DEFAULT_WORKER_NICE,
         max_failures: int | float = 0,
         stats_interval: float | None = None,
         stall_warning: float | None = None,
@@ -177,6 +184,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             cache_bytes=cache_bytes,
             preload=preload,
             worker_method=worker_method,
+            worker_nice=worker_nice,
             max_failures=max_failures,
             stats_interval=stats_interval,
             stall_warning=stall_warning,

@@ -19,6 +19,7 @@ import torch
 
 from .cache import check_capacity
 from .failures import check_max_failures
+from .priority import DEFAULT_WORKER_NICE, check_worker_nice
 from .processes import uses_processes
 from .sampling import UNEVEN_RANKS
 from .transfer import resolve_device
@@ -43,6 +44,7 @@ class Options:
     cache_bytes: int | None = None
     preload: bool = False
     worker_method: str = "auto"
+    worker_nice: int = DEFAULT_WORKER_NICE
     max_failures: int | float = 0
     stats_interval: float | None = None
     stall_warning: float | None = None
@@ -65,6 +67,7 @@ class Options:
             raise ValueError("device_transform runs on the device: it needs device= as well")
         check_capacity(self.cache_bytes)
         uses_processes(self.worker_method)
+        check_worker_nice(self.worker_nice)
         check_max_failures(self.max_failures)
         _check_seconds("stats_interval", self.stats_interval)
         _check_seconds("stall_warning", self.stall_warning)

@@ -71,6 +71,7 @@ from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
 from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
+from .priority import below_this_process, run_at
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
 from .stream_state import WithState
 from .workers import set_process_worker_info, worker_info
@@ -125,11 +126,14 @@ def _worker_main(
     conn: connection.Connection,
     stack_pipe: connection.Connection | None,
     forked: bool,
+    niceness: int | None = None,
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone. ``forked``:
-    it was forked from the main process (``multiprocessing_context="fork"``)."""
+    it was forked from the main process (``multiprocessing_context="fork"``). ``niceness``: the
+    CPU priority it runs at (:mod:`torch_spdl.priority`); None, the one it started with."""
     try:
+        run_at(niceness)  # before any thread starts: they inherit it
         inherited.apply(settings)  # what a forked worker would have had
         set_worker_signal_handlers()
         set_thread_name("pt_data_worker")
@@ -255,9 +259,11 @@ def _start_process(
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
     sent: Job | Packed,
+    niceness: int | None = None,
 ) -> _Worker:
     """Worker process ``worker`` of ``job``, which it is sent as ``sent``: the job, or the job
-    packed (:func:`~torch_spdl.messages.pack`), which unpickles to it."""
+    packed (:func:`~torch_spdl.messages.pack`), which unpickles to it; it runs at ``niceness``
+    (None: at the priority it starts with)."""
     forked = context.get_start_method() == "fork"
     ours, theirs = context.Pipe()
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
@@ -278,6 +284,7 @@ def _start_process(
             theirs,
             stack_pipe,
             forked,
+            niceness,
         ),
         name=f"torch_spdl-{job.stage}-{worker}",
         daemon=True,  # a backstop at exit only: close() is what stops it
@@ -379,6 +386,7 @@ class ProcessPool:
         worker_init_fn: Callable[[int], None] | None = None,
         context: Any = None,
         pin: Callable[[Any], Any] | None = None,
+        nice: int = 0,
     ) -> None:
         self.job = job
         self._pin_batch = pin
@@ -387,13 +395,22 @@ class ProcessPool:
         self._finalizer = weakref.finalize(self, self._processes.close)
         context = start_context(context, modules_of(job))
         settings = inherited.capture()  # as they are now, for every worker, replacements too
+        niceness = below_this_process(nice)  # this process's priority now, less ``nice``
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
 
         def spawn(worker: int, sent: Job | Packed = job) -> _Worker:
             """Start process ``worker``; a replacement (for one that died) is sent the job as
             it is then."""
             return _start_process(
-                context, settings, job, worker, num_workers, base_seed, worker_init_fn, sent
+                context,
+                settings,
+                job,
+                worker,
+                num_workers,
+                base_seed,
+                worker_init_fn,
+                sent,
+                niceness,
             )
 
         self._spawn = spawn
@@ -651,6 +668,7 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         loader.multiprocessing_context,
         iterator._pinner(),
         watch,
+        loader.worker_nice,
     )
 
 
@@ -666,6 +684,7 @@ class PoolStarter:
     pin: Callable[[Any], Any] | None
     # a FetchJob's dataset as worker threads read it: the workers get it as it was before
     watch: StateWatch | None = None
+    nice: int = 0  # the workers' CPU priority below this process's (torch_spdl.priority)
 
     def _job(self) -> Job:
         """The job, its dataset as it was before worker threads set state on it, if they did
@@ -687,6 +706,7 @@ class PoolStarter:
             worker_init_fn=self.worker_init_fn,
             context=context,
             pin=self.pin,
+            nice=self.nice,
         )
 
     def warm(self) -> None:

@@ -1,0 +1,89 @@
+"""Worker processes run below the training loop's CPU priority (:mod:`torch_spdl.priority`).
+
+Each sample is the ``nice`` value of the thread that read it: torch's workers read at the main
+process's, ours ``worker_nice`` below it, capped at 19; worker threads at the main process's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import torch_spdl
+from torch_spdl import priority
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no nice values here")
+
+
+class Niceness(Dataset):
+    """Each item: the CPU priority (``nice`` value) of the thread that reads it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def read(loader: torch.utils.data.DataLoader) -> set[int]:
+    return {value for batch in loader for value in batch.tolist()}
+
+
+def ours(**options) -> torch_spdl.DataLoader:
+    options = {"worker_method": "process", **options}
+    return torch_spdl.DataLoader(Niceness(), batch_size=4, num_workers=2, **options)
+
+
+def here() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_worker_nice_0_reads_at_the_priority_torchs_workers_read_at(no_child_left):
+    torchs = torch.utils.data.DataLoader(Niceness(), batch_size=4, num_workers=2)
+    assert read(ours(worker_nice=0)) == read(torchs) == {here()}
+
+
+@pytest.mark.parametrize("context", [None, "fork", "spawn"])
+def test_worker_processes_read_worker_nice_below_the_main_process(context, no_child_left):
+    """The default, and a value, from the fork server, a fork and a new interpreter."""
+    assert torch_spdl.DataLoader(Niceness()).worker_nice == priority.DEFAULT_WORKER_NICE == 10
+    assert read(ours(multiprocessing_context=context)) == {min(19, here() + 10)}
+    assert read(ours(multiprocessing_context=context, worker_nice=3)) == {min(19, here() + 3)}
+
+
+def test_a_persistent_pool_keeps_its_priority_for_the_next_pass(no_child_left):
+    loader = ours(worker_nice=5, persistent_workers=True)
+    assert read(loader) == read(loader) == {min(19, here() + 5)}
+    del loader
+
+
+def test_worker_threads_read_at_the_main_process_priority(no_leak):
+    """A lowered thread could be kept off a core while it holds the GIL."""
+    assert read(ours(worker_method="thread")) == {here()}
+
+
+def test_a_refused_change_leaves_the_worker_as_it_started(monkeypatch):
+    """A sandbox that refuses setpriority, or a value that would raise the priority (which
+    takes a privilege), is not an error: the worker runs as torch's would."""
+
+    def refuse(*args):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    priority.run_at(here() + 1)  # refused, and not raised
+    calls = []
+    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
+    priority.run_at(here())  # not below: nothing to do
+    priority.run_at(None)
+    assert calls == []
+    priority.run_at(here() + 1)
+    assert calls == [(os.PRIO_PROCESS, 0, here() + 1)]
+
+
+def test_the_target_is_capped_at_the_lowest_priority():
+    assert priority.below_this_process(0) is None
+    assert priority.below_this_process(19) == 19
+    assert priority.below_this_process(1) == min(19, here() + 1)
