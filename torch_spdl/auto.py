@@ -362,8 +362,9 @@ def decide(
     if cpus < 2:
         return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
     left_s = _left_s(measured, remaining_tasks)
-    if left_s is not None and left_s * measured.gain(cpus) < start_s:
-        saved = f"about {left_s * measured.gain(cpus):.1f} s of the {left_s:.1f} s left"
+    saved_s = None if left_s is None else left_s * measured.gain(cpus)
+    if saved_s is not None and saved_s < start_s:
+        saved = f"about {saved_s:.1f} s of the {left_s:.1f} s left"
         return Decision(
             PROCESS, f"{bound}: worker processes {NEXT_PASS}: {saved}", measured, deferred=True
         )

@@ -28,6 +28,7 @@ The same holds for a folder whose custom ``loader`` returns a file's bytes and w
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,6 +150,7 @@ def tensor_crop_first(transform: Any) -> TensorCropFirst | None:
     return TensorCropFirst(decode, crop, rest)
 
 
+@functools.cache  # asked once per sample; the functions are the modules', fixed once imported
 def _tensor_decoders() -> tuple[Any, ...]:
     """The decoders whose output for a plain RGB JPEG is libjpeg-turbo's RGB pixels as
     ``C×H×W`` uint8, as the region decoder's: ours, and torchvision's with their defaults."""

@@ -75,40 +75,43 @@ def jpeg_dimensions(encoded: Encoded) -> tuple[int, int] | None:
 
     Walks the marker segments before the scan data; nothing is decoded.
     """
-    data = as_array(encoded)
-    buf = data.data  # a memoryview: indexing it gives ints, fast
-    try:
-        for marker, start, length in _segments(data):
-            if marker in _FRAMES or marker in _UNREAD:
-                return _size(buf[start : start + length]) if length >= 5 else None
-            if marker in (_SOS, _EOI):
-                return None
-    except ValueError:
+    header = _frame_header(as_array(encoded))
+    if header is None:
         return None
-    return None
-
-
-_APP2, _APP14 = 0xE2, 0xEE
-_ICC, _ADOBE = b"ICC_PROFILE\x00", b"Adobe"
+    _, body, _ = header
+    return _size(body) if len(body) >= 5 else None
 
 
 def plain_rgb_size(encoded: Encoded) -> tuple[int, int] | None:
     """``(height, width)`` of a JPEG that every libjpeg-based decoder turns into the same RGB
     pixels: three components (YCbCr), no ICC profile (a decoder may apply it, or not) and no
     Adobe marker (its colour transform is each decoder's to read); None for any other file."""
-    data = as_array(encoded)
-    buf = data.data
+    header = _frame_header(as_array(encoded))
+    if header is None:
+        return None
+    marker, body, colour_marked = header
+    plain = marker in _FRAMES and not colour_marked and len(body) == 6 + 3 * 3 and body[5] == 3
+    return _size(body) if plain else None
+
+
+_APP2, _APP14 = 0xE2, 0xEE
+_ICC, _ADOBE = b"ICC_PROFILE\x00", b"Adobe"
+
+
+def _frame_header(data: np.ndarray) -> tuple[int, memoryview, bool] | None:
+    """The first frame header's marker and body, and whether an ICC profile or an Adobe marker
+    came before it; None where the image's data or end comes first, or the structure breaks."""
+    buf, colour_marked = data.data, False
     try:
         for marker, start, length in _segments(data):
-            payload = buf[start : start + length]
-            if marker == _APP2 and payload[: len(_ICC)] == _ICC:
+            body = buf[start : start + length]
+            if marker in _FRAMES or marker in _UNREAD:
+                return marker, body, colour_marked
+            if marker in (_SOS, _EOI):
                 return None
-            if marker == _APP14 and payload[: len(_ADOBE)] == _ADOBE:
-                return None
-            if marker in _FRAMES:
-                return _size(payload) if length == 6 + 3 * 3 and payload[5] == 3 else None
-            if marker in _UNREAD or marker in (_SOS, _EOI):
-                return None
+            colour_marked |= (marker == _APP2 and body[: len(_ICC)] == _ICC) or (
+                marker == _APP14 and body[: len(_ADOBE)] == _ADOBE
+            )
     except ValueError:
         return None
     return None
