@@ -46,12 +46,16 @@ def test_worker_nice_0_reads_at_the_priority_torchs_workers_read_at(no_child_lef
     assert read(ours(worker_nice=0)) == read(torchs) == {here()}
 
 
-@pytest.mark.parametrize("context", [None, "fork", "spawn"])
-def test_worker_processes_read_worker_nice_below_the_main_process(context, no_child_left):
-    """The default, and a value, from the fork server, a fork and a new interpreter."""
+def test_the_default_is_10_below():
     assert torch_spdl.DataLoader(Niceness()).worker_nice == priority.DEFAULT_WORKER_NICE == 10
-    assert read(ours(multiprocessing_context=context)) == {min(19, here() + 10)}
-    assert read(ours(multiprocessing_context=context, worker_nice=3)) == {min(19, here() + 3)}
+
+
+@pytest.mark.parametrize("context, nice", [(None, None), (None, 3), ("fork", 3), ("spawn", None)])
+def test_worker_processes_read_worker_nice_below_the_main_process(context, nice, no_child_left):
+    """From the fork server, a fork and a new interpreter (one pool each: they start slowly)."""
+    options = {} if nice is None else {"worker_nice": nice}
+    expected = min(19, here() + (10 if nice is None else nice))
+    assert read(ours(multiprocessing_context=context, **options)) == {expected}
 
 
 def test_a_persistent_pool_keeps_its_priority_for_the_next_pass(no_child_left):

@@ -374,7 +374,8 @@ class ProcessPool:
     exist, which keeps ``fork`` away from locks other threads hold). The stage's ``on_start`` is
     :meth:`start`: it binds the calling thread to process ``worker_id`` and waits until that
     process is set up. The stage function is :meth:`fetch`, :meth:`preprocess`, or :meth:`batches`
-    as a :class:`~torch_spdl.pipeline.WorkerSource`'s function, matching ``job``.
+    as a :class:`~torch_spdl.pipeline.WorkerSource`'s function, matching ``job``. The processes
+    run ``nice`` below this process's CPU priority as the pool starts (:mod:`torch_spdl.priority`).
     """
 
     def __init__(
