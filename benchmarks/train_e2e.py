@@ -31,6 +31,9 @@ ops that release the GIL); ``torch_spdl:gpu-decode`` (the same with ``decode_on=
 decoded, cropped and flipped on the GPU in the transfer stage); ``torch_spdl:gpu-decode-hw``
 (an experiment: the same with nvImageCodec's hardware JPEG decoder, which needs
 ``nvidia-nvimgcodec-cu13``; put it last, as it changes the decoder for the loaders after it).
+A torch_spdl loader's name may end with ``@nice=N``: its worker processes run ``worker_nice=N``
+(``torch_spdl:fast@nice=0`` against ``torch_spdl:fast``: the workers at the training loop's
+priority against 10 below it).
 """
 
 from __future__ import annotations
@@ -140,18 +143,23 @@ def loader_batches(
         persistent_workers=args.persistent,
     )
     cuda = device.type == "cuda"
-    if name == "torch":
+    kind, _, nice = name.partition("@nice=")
+    if nice:
+        if not kind.startswith("torch_spdl"):
+            raise SystemExit(f"{name}: @nice= is a torch_spdl option")
+        common["worker_nice"] = int(nice)
+    if kind == "torch":
         loader: Any = torch.utils.data.DataLoader(folder, pin_memory=cuda, **common)
-    elif name in FAST:
-        if name == GPU_HW:
+    elif kind in FAST:
+        if kind == GPU_HW:
             use_hardware_decoder()
-        transform = RandomResizedCrop(224, decode_on="cuda" if name in (GPU, GPU_HW) else None)
+        transform = RandomResizedCrop(224, decode_on="cuda" if kind in (GPU, GPU_HW) else None)
         dataset = FastImages(folder.samples, transform)
         loader = torch_spdl.DataLoader(
             dataset, collate_fn=collate, io_workers=4, device=device if cuda else None, **common
         )
     else:
-        method = name.partition(":")[2] or None
+        method = kind.partition(":")[2] or None
         extra = {"worker_method": method} if method else {}
         loader = torch_spdl.DataLoader(folder, device=device if cuda else None, **common, **extra)
     try:
