@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check that issues 16 and 18 ask for, in one run of at most 9½ minutes (about 7½ when
-# nothing hangs; with GPU_HOST_EXTRA=1 about 10, past one device call's limit) on a lent GPU host (one H100 or H200, 16 cores), since such a host is lent for
-# 15 minutes a task at most.
+# nothing hangs; with GPU_HOST_EXTRA=1 about 10, past one device call's limit) on a lent GPU host
+# (one H100 or H200, 16 cores), since such a host is lent for 15 minutes a task at most.
 #
 # Each step has a time limit of its own, so a step that hangs costs only its limit; each writes
 # its log to $OUT/<step>.log, and $OUT/summary.txt says what ran where, each step's exit status

@@ -18,14 +18,19 @@ from torch_spdl import priority
 pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no nice values here")
 
 
+def here() -> int:
+    """The CPU priority (``nice`` value) of the calling thread."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class Niceness(Dataset):
-    """Each item: the CPU priority (``nice`` value) of the thread that reads it."""
+    """Each item: the CPU priority of the thread that reads it."""
 
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, index: int) -> int:
-        return os.getpriority(os.PRIO_PROCESS, 0)
+        return here()
 
 
 def read(loader: torch.utils.data.DataLoader) -> set[int]:
@@ -35,10 +40,6 @@ def read(loader: torch.utils.data.DataLoader) -> set[int]:
 def ours(**options) -> torch_spdl.DataLoader:
     options = {"worker_method": "process", **options}
     return torch_spdl.DataLoader(Niceness(), batch_size=4, num_workers=2, **options)
-
-
-def here() -> int:
-    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_worker_nice_0_reads_at_the_priority_torchs_workers_read_at(no_child_left):

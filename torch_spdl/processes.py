@@ -126,7 +126,7 @@ def _worker_main(
     conn: connection.Connection,
     stack_pipe: connection.Connection | None,
     forked: bool,
-    niceness: int | None = None,
+    niceness: int | None,
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
     (the main process closes its end of the pipe) or until the main process is gone. ``forked``:
