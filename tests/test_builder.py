@@ -290,6 +290,7 @@ def source():
         (lambda: source().aggregate(0), ValueError, "num_items"),
         (lambda: source().add_sink(0), ValueError, "buffer_size"),
         (lambda: source().add_sink().build(num_threads=0), ValueError, "num_threads"),
+        (lambda: source().add_sink().build(worker_nice=20), ValueError, "worker_nice"),
         (lambda: source().aggregate(2).add_sink().build(persistent=True), ValueError, "single"),
     ],
 )

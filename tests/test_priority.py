@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 import torch_spdl
 from torch_spdl import priority
+from torch_spdl.pipeline import PipelineBuilder
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no nice values here")
 
@@ -68,6 +69,20 @@ def test_a_persistent_pool_keeps_its_priority_for_the_next_pass(no_child_left):
 def test_worker_threads_read_at_the_main_process_priority(no_leak):
     """A lowered thread could be kept off a core while it holds the GIL."""
     assert read(ours(worker_method="thread")) == {here()}
+
+
+def niceness_of(item: int) -> int:
+    return here()
+
+
+@pytest.mark.parametrize("nice", [None, 4])
+def test_a_pipelines_process_pipes_run_worker_nice_below_it(nice, no_child_left):
+    """The pipeline API's worker processes are the DataLoader's, lowered the same way."""
+    builder = PipelineBuilder().add_source(range(6))
+    builder.pipe(niceness_of, concurrency=2, executor="process")
+    pipeline = builder.add_sink().build(**({} if nice is None else {"worker_nice": nice}))
+    with pipeline.auto_stop():
+        assert set(pipeline) == {min(19, here() + (10 if nice is None else nice))}
 
 
 def test_a_refused_change_leaves_the_worker_as_it_started(monkeypatch):

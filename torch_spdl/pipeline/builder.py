@@ -30,7 +30,8 @@ The names and meanings are SPDL's (``spdl.pipeline.PipelineBuilder``), with thes
   complete, up to the next ``aggregate``/``disaggregate`` (which group them in the order they
   arrive); SPDL would also keep later ``"input"`` pipes' own order, which only timing can tell.
 - **Executors by name.** ``executor="thread"`` (the default for a sync op), ``"process"``
-  (worker processes of the engine's own pool, as ``DataLoader(worker_method="process")`` uses),
+  (worker processes of the engine's own pool, as ``DataLoader(worker_method="process")`` uses,
+  ``build(worker_nice=)`` below the consumer's CPU priority as the DataLoader's run),
   ``"async"`` (a coroutine op on the stage's event loop, the default for one), or a
   ``concurrent.futures.Executor`` of yours, which ``concurrency`` threads feed.
 - **The sink's buffer.** ``add_sink()`` holds as many finished items as the channels between
@@ -54,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..priority import DEFAULT_WORKER_NICE, check_worker_nice
 from .channel import Gate
 from .pipeline import Pipeline, Step
 from .regroup import Regroup, aggregate, disaggregate
@@ -224,15 +226,19 @@ class PipelineBuilder:
         persistent: bool = False,
         buffer_size: int = 64,
         name: str | None = None,
+        worker_nice: int = DEFAULT_WORKER_NICE,
     ) -> Pipeline[Any]:
-        """The pipeline, running. ``persistent`` and ``buffer_size`` are :class:`Pipeline`'s."""
+        """The pipeline, running. ``persistent`` and ``buffer_size`` are :class:`Pipeline`'s;
+        ``executor="process"`` pipes run ``worker_nice`` below this process's CPU priority, as
+        the DataLoader's worker processes do (:mod:`torch_spdl.priority`)."""
         if self._source is None or not self._has_sink:
             raise ValueError("a pipeline needs add_source() and add_sink() before build()")
         if num_threads is not None:
             _check_count("build: num_threads", num_threads)
+        check_worker_nice(worker_nice)
         pools: list[Any] = []
         try:
-            stages, in_order = self._stages(pools)
+            stages, in_order = self._stages(pools, worker_nice)
             pipeline: Pipeline[Any] = Pipeline(
                 self._source,
                 stages,
@@ -250,7 +256,7 @@ class PipelineBuilder:
             pipeline.on_stop(pool.close)
         return pipeline
 
-    def _stages(self, pools: list[Any]) -> tuple[list[Step], bool]:
+    def _stages(self, pools: list[Any], worker_nice: int) -> tuple[list[Step], bool]:
         """The engine's steps, and whether the items after the last regroup keep input order:
         each run of pipes up to a regroup keeps it unless one of them completes out of order."""
         stages: list[Step] = []
@@ -262,13 +268,14 @@ class PipelineBuilder:
             elif isinstance(step, Stream):
                 stages.append(step)
             else:
-                stages.append(_stage(step, pools))
+                stages.append(_stage(step, pools, worker_nice))
                 in_order = in_order and step.output_order == "input"
         return stages, in_order
 
 
-def _stage(pipe: Pipe, pools: list[Any]) -> Stage:
-    """The engine stage that runs ``pipe`` on its executor (starting its processes, if any)."""
+def _stage(pipe: Pipe, pools: list[Any], worker_nice: int) -> Stage:
+    """The engine stage that runs ``pipe`` on its executor (starting its processes, if any, at
+    ``worker_nice`` below this process's priority)."""
     fn, on_start = _collected(pipe.op), pipe.on_start
     describe = pipe.describe or describe_item
     if pipe.executor == "process":
@@ -276,7 +283,7 @@ def _stage(pipe: Pipe, pools: list[Any]) -> Stage:
         from ..processes import ProcessPool  # the engine itself needs no processes
 
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        pool = ProcessPool(OpJob(fn, pipe.name), pipe.concurrency, base_seed=seed)
+        pool = ProcessPool(OpJob(fn, pipe.name), pipe.concurrency, base_seed=seed, nice=worker_nice)
         pools.append(pool)
         fn, on_start = pool.call, pool.start
     elif isinstance(pipe.executor, concurrent.futures.Executor):
