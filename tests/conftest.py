@@ -86,12 +86,11 @@ def released(monkeypatch):
 
 
 @pytest.fixture
-def quick_switch(monkeypatch, request):
-    """A fork server already up (a fresh one imports torch, seconds on this machine), and a
-    short pass worth a switch, so that the switch happens within a test's time."""
+def fork_server_up(request):
+    """A fork server already up, with the test module preloaded: a fresh one imports torch,
+    seconds on this machine, and a pass that begins meanwhile runs on its threads."""
     from multiprocessing import forkserver
 
-    from torch_spdl import auto
     from torch_spdl.start_method import start_context
 
     context = start_context(None, [request.module.__name__])
@@ -100,5 +99,13 @@ def quick_switch(monkeypatch, request):
         process = context.Process(target=int)
         process.start()
         process.join()
+
+
+@pytest.fixture
+def quick_switch(monkeypatch, fork_server_up):
+    """A fork server already up, and a short pass worth a switch, so that the switch happens
+    within a test's time."""
+    from torch_spdl import auto
+
     for start in ("COLD_START_S", "WARM_START_S"):  # a GIL-bound stage saves about half
         monkeypatch.setattr(auto, start, 0.25)

@@ -18,8 +18,9 @@ from index_datasets import Indices, WhereRead
 from torch.utils.data import Dataset, IterableDataset
 
 import torch_spdl
-from torch_spdl import auto, gil
+from torch_spdl import auto, gil, server_up
 from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision, Measured, Tally, Trial, decide
+from torch_spdl.processes import PoolStarter
 from torch_spdl.switch import Cut, Switch
 
 
@@ -379,17 +380,35 @@ def test_a_trial_widened_runs_on_every_thread_over_the_tasks_not_begun():
     assert wide.measured().describe().endswith("; 15 workers")
 
 
-def ready_switch(trial: Trial, conclude, make_pool=lambda: None, **kw) -> Switch:
-    """A switch whose trial is ready at its next task."""
-    switch = Switch(
+class Starter:
+    """A pool starter whose workers come from no fork server (nothing to wait for): ``pool``."""
+
+    def __init__(self, pool=None) -> None:
+        self.pool = pool
+
+    def __call__(self):
+        return self.pool
+
+    def warm(self) -> bool:
+        return False
+
+
+def doubling(trial: Trial | None, conclude, make_pool=None, **kw) -> Switch:
+    """A switch whose stage function doubles its task."""
+    return Switch(
         lambda task: task * 2,
         "fetch",
         start=lambda worker: None,
-        make_pool=make_pool,
+        make_pool=make_pool or Starter(),
         conclude=conclude,
         trial=trial,
         **kw,
     )
+
+
+def ready_switch(trial: Trial, conclude, make_pool=None, **kw) -> Switch:
+    """A switch whose trial is ready at its next task."""
+    switch = doubling(trial, conclude, make_pool, **kw)
     switch.on_start(0)
     trial._began = time.perf_counter() - 1  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
@@ -451,6 +470,9 @@ class HeldStart:
     def wait_ready(self) -> None:
         assert self.release.wait(30)
 
+    def warm(self) -> bool:
+        return False
+
     def close(self) -> None:
         self.closed = True
         self.release.set()
@@ -477,6 +499,65 @@ def test_a_stage_sent_to_processes_keeps_its_few_threads_until_they_take_over(no
     switch.close()
 
 
+class ServerStarter(Starter):
+    """A pool starter whose workers come from a fork server."""
+
+    def __init__(self, pool=None) -> None:
+        super().__init__(pool)
+        self.starts = 0
+
+    def __call__(self):
+        self.starts += 1
+        return self.pool
+
+    def warm(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def server_importing(monkeypatch):
+    """The fork server reads as still importing its preload until the event is cleared."""
+    importing = threading.Event()
+    importing.set()
+    monkeypatch.setattr(server_up, "up", lambda: not importing.is_set())
+    return importing
+
+
+def test_processes_wait_for_their_fork_server_in_a_wait_the_close_cuts_short(
+    no_leak, server_importing
+):
+    """A worker started before its server is up would wait in the standard library's handshake,
+    and the stage's close with it: none starts until then, and a close ends the wait."""
+    starter = ServerStarter()
+    switch = ready_switch(
+        auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
+        lambda trial: Decision(PROCESS, "test"),
+        make_pool=starter,
+    )
+    assert switch(1) == 2  # decides, and waits for the server
+    assert switch.starting and switch.route == THREAD and switch(2) == 4
+    switch.close()  # joins the starter, which started nothing
+    assert starter.starts == 0 and switch.route == THREAD
+
+
+def test_processes_decided_in_an_earlier_pass_take_over_once_up(no_leak, server_importing):
+    """A pass that begins while their fork server imports runs on the trial's few threads, and
+    its processes take over once they are up; the next passes start in them."""
+    kept, pool = [], HeldStart()
+    not_asked = lambda trial: Decision(THREAD, "not asked")  # noqa: E731
+    switch = doubling(None, not_asked, ServerStarter(pool), keep=kept.append)
+    switch.start_pending(Decision(PROCESS, "test", deferred=True), auto.TRIAL_THREADS)
+    switch.on_start(0)
+    assert switch.route == THREAD and switch(1) == 2
+    assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS
+    server_importing.clear()  # up: the pool starts
+    pool.release.set()
+    switch._starter.join()
+    assert switch.route == PROCESS and switch.gate.width > auto.TRIAL_THREADS
+    assert kept == []  # tried: the next passes start them at once, as this one could
+    switch.close()
+
+
 def test_a_stage_sent_to_processes_from_the_next_pass_ends_this_one_on_its_few_threads(no_leak):
     starter = CountingStarter()
     switch = ready_switch(
@@ -492,7 +573,7 @@ def test_a_stage_sent_to_processes_from_the_next_pass_ends_this_one_on_its_few_t
 
 @pytest.mark.parametrize("executor", [INLINE, "fails"])
 def test_a_stage_that_stays_in_this_process_widens_to_every_thread(no_leak, executor):
-    make_pool = _NoPool() if executor == "fails" else (lambda: None)
+    make_pool = _NoPool() if executor == "fails" else Starter()
     decision = Decision(PROCESS if executor == "fails" else executor, "test")
     switch = ready_switch(
         auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
@@ -515,10 +596,11 @@ class CountingStarter:
     def __call__(self) -> None:
         self.starts += 1
 
-    def warm(self) -> None:
+    def warm(self) -> bool:
         self.warmed += 1
         if self.warm_fails:
             raise OSError("no fork server here")
+        return False
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -644,7 +726,7 @@ def test_work_that_releases_the_gil_stays_on_threads():
 
 
 # -- the switch -------------------------------------------------------------------------------
-class _NoPool:
+class _NoPool(Starter):
     def __call__(self):
         raise RuntimeError("no processes here")
 
@@ -690,7 +772,7 @@ def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_o
         lambda task: task * 2,
         "fetch",
         start=lambda worker: None,
-        make_pool=lambda: pool,
+        make_pool=Starter(pool),
         conclude=lambda trial: Decision(PROCESS, "test"),
         trial=trial,
         hands_over=hands_over,
@@ -815,11 +897,12 @@ def test_a_pass_given_up_during_a_trial_on_a_few_threads_leaves_none_waiting(
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_passes_too_short_to_move_in_start_the_next_in_processes(
-    no_child_left, monkeypatch, persistent
+    no_child_left, monkeypatch, persistent, fork_server_up
 ):
     """Twelve batches on two threads: the trial ends halfway through the pass, too late to start
-    processes for the rest of it, so the next pass starts in them; torch's samples throughout.
-    Persistent workers too: their threads give way to processes at the next pass."""
+    processes for the rest of it, so the next pass starts in them (their fork server is up);
+    torch's samples throughout. Persistent workers too: their threads give way to processes at
+    the next pass."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
     dataset = PythonSamples(48, 300_000)
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=4))
@@ -842,6 +925,53 @@ def test_passes_too_short_to_move_in_start_the_next_in_processes(
         seen.append(pids)
     if persistent:  # in the same processes
         assert seen[0] == seen[1]
+
+
+@pytest.fixture
+def pool_starts(monkeypatch) -> list[int]:
+    """One item for each start of a loader's worker processes."""
+    starts: list[int] = []
+    start = PoolStarter.__call__
+
+    def counted(self: PoolStarter):
+        starts.append(self.num_workers)
+        return start(self)
+
+    monkeypatch.setattr(PoolStarter, "__call__", counted)
+    return starts
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_passes_while_the_fork_server_imports_run_on_threads_without_waiting_for_it(
+    no_child_left, decides, server_importing, pool_starts, persistent
+):
+    """A first pass given up after "auto" chose processes, while their fork server imports,
+    ends without waiting for it (no worker starts: one would wait in the handshake); the next
+    pass, begun before it is up, runs on the stage's threads; once it is up the processes take
+    over. torch's samples throughout."""
+    decides(PROCESS)
+    dataset = PythonSamples(600, 20_000)
+    expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=8))
+    loader = torch_spdl.DataLoader(
+        dataset, batch_size=8, num_workers=2, persistent_workers=persistent
+    )
+    iterator = iter(loader)
+    got = [next(iterator)[0].tolist()]
+    while iterator._switch.decision is None:  # the trial goes on
+        got.append(next(iterator)[0].tolist())
+    assert got == expected[: len(got)]
+    del iterator  # given up
+    assert pool_starts == []
+    got, pids = indices_of(loader)  # the server still imports
+    assert (got, pids, pool_starts) == (expected, {os.getpid()}, [])
+    server_importing.clear()
+    for _ in range(3):  # persistent: the pass's stage moves once its processes are up
+        got, pids = indices_of(loader)
+        assert got == expected
+        if os.getpid() not in pids:
+            break
+    assert os.getpid() not in pids and pool_starts
+    del loader
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -1467,10 +1597,11 @@ def test_a_staged_dataset_moved_to_processes_late_is_read_whole_from_the_next_pa
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_staged_dataset_sent_to_processes_from_the_next_pass_is_read_whole_from_it(
-    no_leak, decides, persistent
+    no_leak, decides, persistent, fork_server_up
 ):
     """Decided too late in its first pass to move, it ends that pass split on its threads, with
-    no process started, and reads every pass after it whole in processes: torch's batches."""
+    no process started, and reads every pass after it whole in processes (their fork server is
+    up): torch's batches."""
     decides(PROCESS, deferred=True)
     loader, reference = staged_pair(200, persistent)
     for epoch in range(3):
@@ -1478,6 +1609,30 @@ def test_a_staged_dataset_sent_to_processes_from_the_next_pass_is_read_whole_fro
         assert indices(batches) == indices(list(reference))
         assert {loaded_whole(batch) for batch in batches} == {epoch > 0}
         assert ("each worker loads" in loader.stats().plan) == (epoch > 0), loader.stats().plan
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_dataset_reads_split_while_its_processes_wait_for_their_server(
+    no_leak, decides, server_importing, persistent
+):
+    """Sent to processes from the next pass, which begins while their fork server imports: that
+    pass is read split, on the main process's threads; once the server is up the processes
+    come up, and the passes are read whole in them; torch's batches throughout."""
+    decides(PROCESS, deferred=True)
+    loader, reference = staged_pair(200, persistent)
+    for _ in range(2):  # the trial's pass, then one while the server imports
+        batches = list(loader)
+        assert indices(batches) == indices(list(reference))
+        assert not any(loaded_whole(batch) for batch in batches)
+    server_importing.clear()
+    for _ in range(3):  # the pass after it starts them as a switch does, and moves
+        batches = list(loader)
+        assert indices(batches) == indices(list(reference))
+        if all(loaded_whole(batch) for batch in batches):
+            break
+    assert all(loaded_whole(batch) for batch in batches)
+    assert "each worker loads" in loader.stats().plan, loader.stats().plan
+    del loader
 
 
 @pytest.mark.parametrize("persistent", [False, True])

@@ -37,6 +37,7 @@ def plan_of(
     cached: bool = False,
     samples_per_batch: int = 4,
     stateful: bool = False,
+    server_up: bool = True,
 ):
     return make_plan(
         options or Options(),
@@ -51,6 +52,7 @@ def plan_of(
         pin_memory=False,
         samples_per_batch=samples_per_batch,
         stateful=stateful,
+        server_up=server_up,
     )
 
 
@@ -117,6 +119,16 @@ def test_an_earlier_auto_decision_is_followed(decided, persistent, executor):
     plan = plan_of(decided=Decision(decided, "measured"), persistent=persistent)
     assert plan.executor == executor
     assert plan.decision is not None and plan.decision.executor == decided
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_processes_whose_fork_server_still_imports_start_on_the_passs_threads(persistent):
+    """The pass does not wait for the server: "auto" runs it on threads until they are up."""
+    plan = plan_of(decided=Decision(PROCESS, "measured"), persistent=persistent, server_up=False)
+    assert plan.executor == AUTO and plan.decision is not None
+    assert plan.decision.executor == PROCESS
+    fixed = plan_of(Options(worker_method="process"), server_up=False)  # asked for: they wait
+    assert fixed.executor == PROCESS
 
 
 def test_an_earlier_decision_does_not_apply_to_a_fixed_worker_method():

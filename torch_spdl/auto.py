@@ -297,6 +297,9 @@ class Decision:
     measured: Measured | None = None
     deferred: bool = False  # from the next pass on: moving now would not pay
     free: bool = False  # the GIL did not bind the stage's threads: on more of them, it might
+    # processes whose start the pass gave up on, waiting for their fork server: whether they can
+    # start is not known, so the next pass starts them as a switch does (threads if they cannot)
+    untried: bool = False
 
     def __str__(self) -> str:
         figures = "" if self.measured is None else f" ({self.measured.describe()})"

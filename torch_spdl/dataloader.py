@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 import torch.utils.data
 from torch.utils.data import BatchSampler
 
-from . import early_server, gil, pass_record, resume, torchdata_state
+from . import early_server, gil, pass_record, resume, server_up, torchdata_state
 from .auto import PROCESS, AutoState, Decision
 from .cache import ByteLRU, CacheStats
 from .compat import is_iterable
@@ -315,6 +315,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory=iterator._pin_memory,
             samples_per_batch=max(1, batch_size or 1),
             stateful=is_stateful(self.dataset),
+            server_up=server_up.up() is not False,
         )
 
     def cache_stats(self) -> CacheStats | None:

@@ -383,9 +383,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._plan.executor != AUTO:
             return fn, start, None
         decided = self._plan.decision
+        # processes decided in an earlier pass whose fork server still imports (Plan: "auto")
+        pending = decided is not None and decided.executor == PROCESS
         inline_possible = name == "fetch" and self._transfer is None
         trial = None
-        if decided is None:
+        if decided is None or pending:
             total = self._pass_tasks(tasks_per_batch)
             gil_on = gil.gil_enabled()
             workers = self._num_workers
@@ -397,11 +399,14 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             start=start,
             make_pool=make_pool,
             conclude=self._concluder(loader, inline_possible, make_pool.unsafe),
-            trial=trial,
-            route=THREAD if decided is None else decided.executor,
+            trial=None if pending else trial,
+            route=THREAD if decided is None or pending else decided.executor,
             hands_over=self._moved is not None,
             keep=early_server.keeping(loader._auto.keep, loader._early_server),
         )
+        if pending:  # the trial's few threads run the stage until the processes are up
+            assert decided is not None and trial is not None
+            switch.start_pending(decided, trial.workers if trial.narrow else None)
         self._switch = switch
         self.stats_probe.switch = switch
         return switch, switch.on_start, switch.gate
@@ -714,13 +719,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _moves(self, plan: Plan) -> bool:
         """Whether ``plan`` puts the CPU stage in worker processes where this pipeline's threads
         still run it: a decision for processes from the next pass (the pass it came in was too
-        short to move), or a staged dataset's stage moved to processes, which from now on read
-        each batch whole (``Plan.whole``), in a pass that ended before they were up
-        (:meth:`_move_whole`)."""
+        short to move; where their fork server still imports, as after a pass given up while
+        they started, the new pipeline's threads run the stage until they are up), or a staged
+        dataset's stage moved to processes, which from now on read each batch whole
+        (``Plan.whole``), in a pass that ended before they were up (:meth:`_move_whole`). Not
+        while this pipeline's stage is starting them: it moves to them once they are up."""
         if plan.whole is not None:
             return self._plan.whole is None
-        switch = self._switch
-        return plan.executor == PROCESS and switch is not None and switch.route != PROCESS
+        switch, decided = self._switch, plan.decision
+        moving = decided is not None and decided.executor == PROCESS  # now, or once they are up
+        return moving and switch is not None and switch.route != PROCESS and not switch.starting
 
     def _begin_pass(
         self,
@@ -764,7 +772,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         measures a staged dataset whose samples, once in worker processes, are read whole
         there."""
         plan = loader._plan(self)
-        if plan.executor != AUTO or plan.decision is not None or plan.hooks is None:
+        if plan.executor != AUTO or plan.hooks is None:
+            return None
+        if plan.decision is not None and plan.decision.executor != PROCESS:  # it stays
             return None
         moved = loader._plan(self, moved=True)
         return moved if moved.whole is not None else None

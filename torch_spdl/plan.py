@@ -120,15 +120,18 @@ def make_plan(
     pin_memory: bool,
     samples_per_batch: int,
     stateful: bool = False,
+    server_up: bool = True,
 ) -> Plan:
     """The plan of the next pass. ``decided``: what ``"auto"`` concluded in an earlier pass (it
     applies only while the loader still has workers and ``worker_method="auto"``);
     ``pin_memory``: whether torch's iterator would pin (``pin_memory=True`` with an
-    accelerator); ``stateful``: the dataset has ``state_dict``/``load_state_dict``."""
+    accelerator); ``stateful``: the dataset has ``state_dict``/``load_state_dict``;
+    ``server_up``: worker processes would start without waiting for their fork server."""
     may_switch = num_workers > 0 and options.worker_method == AUTO
     decided = decided if may_switch else None
     copies = on_copies(iterable, stateful, hooks) and num_workers > 0
-    executor = _executor(options, num_workers, persistent, iterable or copies, decided)
+    stays = iterable or copies
+    executor = _executor(options, num_workers, persistent, stays, decided, server_up)
     hooks, whole = _hooks_run(hooks, executor, may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
     copies = copies and executor != INLINE
@@ -194,16 +197,23 @@ def _executor(
     persistent: bool,
     stays: bool,
     decided: Decision | None,
+    server_up: bool,
 ) -> str:
     """Where the CPU stage runs. An inline decision of ``"auto"`` does not apply to persistent
     workers, which outlive the pass; ``stays``: the stage stays where it starts (an
-    IterableDataset's streams, a stateful dataset's copies)."""
+    IterableDataset's streams, a stateful dataset's copies); ``server_up``: worker processes
+    would start without waiting for their fork server (:mod:`torch_spdl.server_up`)."""
     if num_workers == 0:
         return INLINE
     if decided is not None and decided.executor == INLINE and not persistent:
         return INLINE
-    if options.processes or (decided is not None and decided.executor == PROCESS):
+    if options.processes:
         return PROCESS
+    if decided is not None and decided.executor == PROCESS:
+        # decided in an earlier pass, their fork server still importing (or their start given
+        # up with that pass): the pass starts on the stage's threads, which give way to the
+        # processes once they are up, or stay where the processes cannot start
+        return PROCESS if server_up and not decided.untried else AUTO
     if options.worker_method == AUTO and not stays:
         return AUTO
     return THREAD

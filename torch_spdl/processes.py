@@ -710,15 +710,17 @@ class PoolStarter:
             nice=self.nice,
         )
 
-    def warm(self) -> None:
+    def warm(self) -> bool:
         """Start the fork server the workers will come from, if they will, with what they import
-        preloaded: it imports torch and more in a new interpreter (12 s on a 16-core host, where
-        forking a worker from it then takes milliseconds), which then overlaps the rest of this
-        pass instead of delaying the next one's first batch. A server that fails to start is
-        reported by the next pass's start of the workers, which starts it again."""
+        preloaded, without waiting for it: it imports torch and more in a new interpreter (12 s
+        on a 16-core host, where forking a worker from it then takes milliseconds), meanwhile
+        the stage's threads go on. Whether the workers come from a fork server. A server that
+        fails to start is reported by the start of the workers, which starts it again."""
         context = start_context(self.multiprocessing_context, modules_of(self._job()))
-        if context.get_start_method() == "forkserver":
-            start_forkserver()
+        if context.get_start_method() != "forkserver":
+            return False
+        start_forkserver()
+        return True
 
     def unsafe(self) -> str | None:
         """Why ``"auto"`` must not start these workers, or None: a main module they could not

@@ -21,6 +21,9 @@ pass, and paid these at every start:
   itself is left to each worker (16 ms, and 18 ms for its check against Pillow): it loads the
   GPU codecs' libraries it finds, which a process that forks is better without.
 
+Last, it tells the main process that the server is up (:func:`torch_spdl.server_up.announce`):
+workers started from then on fork at once, and ``"auto"`` starts none before.
+
 Only modules the server has already imported are set up. A set-up that fails is left to the
 worker, which meets the error where it can report it: the server must not die of it (its
 preload stops only an ``ImportError``).
@@ -33,6 +36,7 @@ import importlib
 import sys
 
 from .blas import single_threaded_blas
+from .server_up import announce
 
 
 def warm() -> None:
@@ -46,6 +50,7 @@ def warm() -> None:
     if "torchvision.datasets.folder" in sys.modules:
         with contextlib.suppress(Exception):
             importlib.import_module("torch_spdl.io.region")
+    announce()  # last: the server forks workers from here on (torch_spdl.server_up)
 
 
 warm()

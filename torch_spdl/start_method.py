@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any
 
+from . import server_up
 from .compat import forkserver_preload, forkserver_running, stop_forkserver
 
 
@@ -53,6 +54,7 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
         if not forkserver_running():
             context.set_forkserver_preload(wanted)
             _server_preload[:] = wanted
+            server_up.expect()  # its preload ends with WARM_MODULE, which announces it
     return context
 
 

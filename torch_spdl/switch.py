@@ -13,6 +13,11 @@ Worker processes start in a thread of their own while the stage threads keep wor
 route changes only once every process is set up, so the switch costs no pause, and processes that
 cannot come up cost no sample; a thread binds to its process (``ProcessPool.start``) on its first
 task after the switch. The pool stops with the pipeline (:meth:`close`, from ``Pipeline.on_stop``).
+Where their fork server still imports, the processes start only once it is up
+(:mod:`torch_spdl.server_up`), in a wait the close cuts short: a worker started before then
+would wait for it in a handshake nothing can cut short, and the pass's end with it. A pass that
+begins before processes decided in an earlier one could start runs on the stage's threads
+meanwhile (:meth:`Switch.start_pending`).
 
 A stage that ``hands_over`` moves further than its own tasks: a staged dataset whose samples,
 once in processes, are best read whole there (``Plan.whole``: each worker loads, preprocesses and
@@ -28,9 +33,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from . import server_up
 from .auto import INLINE, PROCESS, THREAD, Decision, Trial
 from .inherited import in_thread
 from .pipeline import Gate
@@ -88,6 +94,8 @@ class Switch:
         self._ids = threading.local()  # this thread's worker id, and whether it is bound
         self._pool: ProcessPool | None = None
         self._starter: threading.Thread | None = None
+        self.starting = False  # worker processes are being started (or are up) for this stage
+        self._stopping = threading.Event()  # set by close(): a start waiting for the server stops
         self._start_error: BaseException | None = None
         self._closed = False
         self._hands_over = hands_over
@@ -132,16 +140,33 @@ class Switch:
             # a deferred decision leaves this pass on threads; processes deferred to the next
             # pass have their fork server started now
             if decision.executor == PROCESS:
-                work = self._warm if decision.deferred else self._start_pool
-                self._starter = threading.Thread(
-                    target=in_thread(work), name="torch_spdl.auto-start", daemon=False
-                )
-                self._starter.start()
+                self.starting = not decision.deferred
+                self._run_starter(self._warm if decision.deferred else self._start_pool)
             elif not decision.deferred:
                 self.route = decision.executor
                 self._widen()
             # a stage that waits for processes, here or from the next pass, is one the GIL
             # binds: until they take over, its few threads do better than all of them
+
+    def start_pending(self, decision: Decision, width: int | None) -> None:
+        """Start the worker processes ``decision`` chose in an earlier pass, whose fork server
+        was still importing as this pass began (deferred to this pass, or cut short by the end
+        of that one): until they are up, the stage's threads run its tasks, only ``width`` of
+        them where given (a GIL-bound stage's few threads do better than all of them), and the
+        route then changes as a switch decided in this pass would. Called before the stage's
+        threads start."""
+        self.decision, self.starting = decision, True
+        if width is not None:
+            self.gate = Gate(width)
+        self._run_starter(self._start_pool)
+
+    def _run_starter(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (:meth:`_warm` or :meth:`_start_pool`) on a thread of its own, which
+        :meth:`close` joins."""
+        self._starter = threading.Thread(
+            target=in_thread(work), name="torch_spdl.auto-start", daemon=False
+        )
+        self._starter.start()
 
     def _widen(self) -> None:
         """Let every thread of the stage take tasks."""
@@ -162,7 +187,13 @@ class Switch:
         :meth:`close` stops it without waiting for a worker still setting up."""
         pool: ProcessPool | None = None
         try:
+            # a worker started before its fork server is up waits for it in a handshake
+            # nothing can cut short: wait here instead, where close() can
+            if self._make_pool.warm() and not server_up.wait(self._stopping):
+                self._untried(True)
+                return
             pool = self._make_pool()
+            self._untried(False)  # they start: the next passes may start them at once
             with self._lock:
                 if self._closed:
                     pool.close()
@@ -180,6 +211,15 @@ class Switch:
             else:
                 self.route = PROCESS
                 self._widen()  # each thread drives a process of its own
+
+    def _untried(self, untried: bool) -> None:
+        """Keep, for the next passes, whether the decision's processes are yet to be tried: the
+        stage closed while they waited for their fork server (none started, and whether they
+        can is not known: the next pass finds out as this one would have), or they started."""
+        decision = self.decision
+        if decision is not None and decision.untried != untried:
+            self.decision = replace(decision, untried=untried)
+            self._keep(self.decision)
 
     def _fall_back(self, pool: ProcessPool | None, error: Exception) -> None:
         """Stay on threads after ``pool`` failed to start or to come up, and keep that for the
@@ -226,6 +266,7 @@ class Switch:
     def close(self) -> None:
         """Stop the worker processes, those still coming up included, then wait for the thread
         that starts them: on every pipeline stop."""
+        self._stopping.set()
         with self._lock:
             self._closed = True
             starter, trial = self._starter, self.trial
