@@ -383,7 +383,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._plan.executor != AUTO:
             return fn, start, None
         decided = self._plan.decision
-        # processes decided in an earlier pass whose fork server still imports (Plan: "auto")
+        # processes decided in an earlier pass that cannot start at once: their fork server
+        # still imports, or their start is untried (Plan: "auto")
         pending = decided is not None and decided.executor == PROCESS
         inline_possible = name == "fetch" and self._transfer is None
         trial = None

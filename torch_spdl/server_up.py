@@ -3,8 +3,8 @@
 A fork server imports torch and the dataset's modules before it forks anything: seconds (3-4 s
 on the 2-core development machine, 7.6-12 s on 16-core GPU hosts). A worker started before then
 waits in the standard library's fork-server handshake, which nothing can cut short: a pass that
-ends meanwhile waited at its end for the server, and a pass that begins meanwhile at its first
-batch (docs/performance.md, "The second pass waits for the fork server"). Knowing when it is
+ends meanwhile would wait at its end for the server, and a pass that begins meanwhile at its
+first batch (docs/performance.md, "The second pass waits for the fork server"). Knowing when it is
 up, ``"auto"`` starts workers only then, in a wait the stage's close can cut short, and runs a
 pass that begins before then on its threads (:mod:`torch_spdl.switch`).
 
