@@ -499,21 +499,6 @@ def test_a_stage_sent_to_processes_keeps_its_few_threads_until_they_take_over(no
     switch.close()
 
 
-class ServerStarter(Starter):
-    """A pool starter whose workers come from a fork server."""
-
-    def __init__(self, pool=None) -> None:
-        super().__init__(pool)
-        self.starts = 0
-
-    def __call__(self):
-        self.starts += 1
-        return self.pool
-
-    def warm(self) -> bool:
-        return True
-
-
 @pytest.fixture
 def server_importing(monkeypatch):
     """The fork server reads as still importing its preload until the event is cleared."""
@@ -528,7 +513,7 @@ def test_processes_wait_for_their_fork_server_in_a_wait_the_close_cuts_short(
 ):
     """A worker started before its server is up would wait in the standard library's handshake,
     and the stage's close with it: none starts until then, and a close ends the wait."""
-    starter = ServerStarter()
+    starter = CountingStarter(from_server=True)
     switch = ready_switch(
         auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8),
         lambda trial: Decision(PROCESS, "test"),
@@ -545,7 +530,7 @@ def test_processes_decided_in_an_earlier_pass_take_over_once_up(no_leak, server_
     its processes take over once they are up; the next passes start in them."""
     kept, pool = [], HeldStart()
     not_asked = lambda trial: Decision(THREAD, "not asked")  # noqa: E731
-    switch = doubling(None, not_asked, ServerStarter(pool), keep=kept.append)
+    switch = doubling(None, not_asked, CountingStarter(pool, from_server=True), keep=kept.append)
     switch.start_pending(Decision(PROCESS, "test", deferred=True), auto.TRIAL_THREADS)
     switch.on_start(0)
     assert switch.route == THREAD and switch(1) == 2
@@ -587,20 +572,24 @@ def test_a_stage_that_stays_in_this_process_widens_to_every_thread(no_leak, exec
     switch.close()
 
 
-class CountingStarter:
-    """A pool starter that counts its starts and its fork server's warm-ups (which may fail)."""
+class CountingStarter(Starter):
+    """A pool starter that counts its starts and its fork server's warm-ups (which may fail);
+    its workers come ``from_server`` (a fork server) or not."""
 
-    def __init__(self, warm_fails: bool = False) -> None:
+    def __init__(self, pool=None, warm_fails: bool = False, from_server: bool = False) -> None:
+        super().__init__(pool)
         self.starts, self.warmed, self.warm_fails = 0, 0, warm_fails
+        self.from_server = from_server
 
-    def __call__(self) -> None:
+    def __call__(self):
         self.starts += 1
+        return self.pool
 
     def warm(self) -> bool:
         self.warmed += 1
         if self.warm_fails:
             raise OSError("no fork server here")
-        return False
+        return self.from_server
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -609,7 +598,7 @@ def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_th
     no_leak, warm_fails
 ):
     kept = []
-    starter = CountingStarter(warm_fails)
+    starter = CountingStarter(warm_fails=warm_fails)
     trial = Trial(1, total=2)
     switch = Switch(
         lambda task: task * 2,
@@ -1565,7 +1554,7 @@ def pool_start(monkeypatch):
 
     def held_start(self: Switch) -> None:
         held.gate.wait()
-        if not self._closed:
+        if not self._closed.is_set():
             start(self)
         held.up.set()
 

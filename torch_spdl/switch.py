@@ -95,9 +95,8 @@ class Switch:
         self._pool: ProcessPool | None = None
         self._starter: threading.Thread | None = None
         self.starting = False  # worker processes are being started (or are up) for this stage
-        self._stopping = threading.Event()  # set by close(): a start waiting for the server stops
         self._start_error: BaseException | None = None
-        self._closed = False
+        self._closed = threading.Event()  # close(): a start waiting for the server stops too
         self._hands_over = hands_over
         self._keep = keep
         self.pool_ready = False  # hands_over: the processes are up, for take_pool
@@ -189,13 +188,13 @@ class Switch:
         try:
             # a worker started before its fork server is up waits for it in a handshake
             # nothing can cut short: wait here instead, where close() can
-            if self._make_pool.warm() and not server_up.wait(self._stopping):
+            if self._make_pool.warm() and not server_up.wait(self._closed):
                 self._untried(True)
                 return
             pool = self._make_pool()
             self._untried(False)  # they start: the next passes may start them at once
             with self._lock:
-                if self._closed:
+                if self._closed.is_set():
                     pool.close()
                     return
                 self._pool = pool
@@ -204,7 +203,7 @@ class Switch:
             self._fall_back(pool, error)
             return
         with self._lock:
-            if self._closed:  # close() has stopped the pool
+            if self._closed.is_set():  # close() has stopped the pool
                 return
             if self._hands_over:  # the threads finish the batches they took, as few as now
                 self.pool_ready = True
@@ -228,7 +227,7 @@ class Switch:
         with self._lock:
             if self._pool is pool:
                 self._pool = None
-            interrupted = self._closed and pool is not None
+            interrupted = self._closed.is_set() and pool is not None
         if pool is not None:
             pool.close()
         if interrupted:
@@ -266,9 +265,8 @@ class Switch:
     def close(self) -> None:
         """Stop the worker processes, those still coming up included, then wait for the thread
         that starts them: on every pipeline stop."""
-        self._stopping.set()
+        self._closed.set()  # before the lock, so a starter that waits for it wakes at once
         with self._lock:
-            self._closed = True
             starter, trial = self._starter, self.trial
             pool, self._pool = self._pool, None
             self.pool_ready = False
