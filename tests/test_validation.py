@@ -516,10 +516,16 @@ def test_pin_memory_without_accelerator_warns_like_torch(num_workers, device):
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            iterator = iter(loader)
             try:
-                batches = [b.tolist() for b in loader]
+                batches = [b.tolist() for b in iterator]
             except RuntimeError as error:  # torch 2.8 pins on the device it is given: "cpu"
                 batches = type(error)
+                # torch 2.8's re-raise keeps the error in a local of a frame its traceback
+                # holds, and that cycle held torch's iterator, its pinning thread and workers
+                # until a collection, in whichever thread it came
+                error.__traceback__ = None
+            del iterator  # shut down here, in this thread, as the test ends
         # the loader's own warnings (the tensor's deprecation warnings come once per process)
         return batches, [(w.category, str(w.message)) for w in caught if w.category is UserWarning]
 
