@@ -697,8 +697,10 @@ def majority(decisions: list[Decision]) -> str:
 def test_pure_python_measures_as_gil_bound():
     """With the GIL off (free-threaded Python) the same work runs in parallel on threads."""
     decisions = decisions_of(python_work, inline_possible=False, gil_enabled=GIL_ON)
-    busy = [decision.measured.busy_cores for decision in decisions if decision.measured]
-    assert sorted(busy)[len(busy) // 2] >= auto.BUSY_CORES, busy
+    # the cores it wanted, as the rule reads them: those it kept busy and those its threads
+    # waited for in the run queue (on a loaded host, other programs take some of them)
+    wanted = [decision.measured.wanted_cores for decision in decisions if decision.measured]
+    assert sorted(wanted)[len(wanted) // 2] >= auto.BUSY_CORES, wanted
     assert majority(decisions) == (PROCESS if GIL_ON else THREAD), list(map(str, decisions))
 
 
