@@ -531,7 +531,8 @@ def test_processes_decided_in_an_earlier_pass_take_over_once_up(no_leak, server_
     kept, pool = [], HeldStart()
     not_asked = lambda trial: Decision(THREAD, "not asked")  # noqa: E731
     switch = doubling(None, not_asked, CountingStarter(pool, from_server=True), keep=kept.append)
-    switch.start_pending(Decision(PROCESS, "test", deferred=True), auto.TRIAL_THREADS)
+    trial = auto.first_trial(8, 1, 100, gil_enabled=True, cpus=8)  # on TRIAL_THREADS of 8
+    switch.start_pending(Decision(PROCESS, "test", deferred=True), trial)
     switch.on_start(0)
     assert switch.route == THREAD and switch(1) == 2
     assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS

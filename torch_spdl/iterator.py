@@ -407,7 +407,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         )
         if pending:  # the trial's few threads run the stage until the processes are up
             assert decided is not None and trial is not None
-            switch.start_pending(decided, trial.workers if trial.narrow else None)
+            switch.start_pending(decided, trial)
         self._switch = switch
         self.stats_probe.switch = switch
         return switch, switch.on_start, switch.gate

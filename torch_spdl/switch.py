@@ -80,8 +80,7 @@ class Switch:
         hands_over: bool = False,
         keep: Callable[[Decision], None] = lambda decision: None,
     ) -> None:
-        # a trial on a few threads keeps the others from taking tasks until it has decided
-        self.gate = Gate(trial.workers) if trial is not None and trial.narrow else None
+        self.gate = _narrow_gate(trial)
         self._local = local
         self._remote = remote
         self._start = start
@@ -147,16 +146,15 @@ class Switch:
             # a stage that waits for processes, here or from the next pass, is one the GIL
             # binds: until they take over, its few threads do better than all of them
 
-    def start_pending(self, decision: Decision, width: int | None) -> None:
+    def start_pending(self, decision: Decision, trial: Trial) -> None:
         """Start the worker processes ``decision`` chose in an earlier pass, whose fork server
         was still importing as this pass began (deferred to this pass, or cut short by the end
-        of that one): until they are up, the stage's threads run its tasks, only ``width`` of
-        them where given (a GIL-bound stage's few threads do better than all of them), and the
-        route then changes as a switch decided in this pass would. Called before the stage's
-        threads start."""
+        of that one): until they are up, the stage's threads run its tasks, only as many as
+        ``trial`` (the pass's first trial, not run) would use (a GIL-bound stage's few threads do
+        better than all of them), and the route then changes as a switch decided in this pass
+        would. Called before the stage's threads start."""
         self.decision, self.starting = decision, True
-        if width is not None:
-            self.gate = Gate(width)
+        self.gate = _narrow_gate(trial)
         self._run_starter(self._start_pool)
 
     def _run_starter(self, work: Callable[[], None]) -> None:
@@ -308,3 +306,9 @@ class Cut:
         with self._lock:
             self._cut = True
             return self._taken
+
+
+def _narrow_gate(trial: Trial | None) -> Gate | None:
+    """A trial on a few of the stage's threads keeps the others from taking tasks until the
+    stage has decided (:meth:`Switch._widen` lets them)."""
+    return Gate(trial.workers) if trial is not None and trial.narrow else None
