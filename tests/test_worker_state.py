@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -85,12 +86,13 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def torchs(dataset: Dataset, **kwargs: Any) -> list[int]:
-    return torch.cat(list(tud.DataLoader(dataset, batch_size=16, **kwargs))).tolist()
-
-
-def ours(loader: torch_spdl.DataLoader) -> list[int]:
+def samples_of(loader: Iterable[torch.Tensor]) -> list[int]:
+    """One pass of ``loader`` (ours or torch's), its batches' samples in order."""
     return torch.cat(list(loader)).tolist()
+
+
+def torchs(dataset: Dataset, **kwargs: Any) -> list[int]:
+    return samples_of(tud.DataLoader(dataset, batch_size=16, **kwargs))
 
 
 # -- the watch ----------------------------------------------------------------------------------
@@ -276,11 +278,11 @@ def test_auto_reads_a_dataset_with_state_in_processes_with_torchs_samples(
 ):
     dataset = Records(records, 512)
     loader = torch_spdl.DataLoader(dataset, batch_size=16, num_workers=2)
-    assert ours(loader) == torchs(Records(records, 512)) == list(range(512))
+    assert samples_of(loader) == torchs(Records(records, 512)) == list(range(512))
     decision = loader._auto.decision
     assert decision is not None and decision.executor == PROCESS
     assert "Records sets file on itself as it reads: worker processes" in decision.reason
-    assert ours(loader) == list(range(512))  # the next pass starts in processes
+    assert samples_of(loader) == list(range(512))  # the next pass starts in processes
 
 
 def test_auto_reads_a_dataset_with_state_in_turns_where_processes_cannot_start(
@@ -294,7 +296,7 @@ def test_auto_reads_a_dataset_with_state_in_turns_where_processes_cannot_start(
     expected = [torchs(Records(records, 512), shuffle=True, generator=generator) for _ in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the processes could not start: said so
-        assert [ours(loader) for _ in range(2)] == expected
+        assert [samples_of(loader) for _ in range(2)] == expected
     decision = loader._auto.decision
     assert decision is not None and decision.executor == THREAD
 
@@ -308,7 +310,9 @@ def test_a_second_loader_over_the_same_dataset_knows_its_state(records, no_child
         loader = torch_spdl.DataLoader(
             dataset, batch_size=16, num_workers=4, shuffle=True, generator=seeded(0)
         )
-        assert ours(loader) == torchs(Records(records, 512), shuffle=True, generator=seeded(0))
+        assert samples_of(loader) == torchs(
+            Records(records, 512), shuffle=True, generator=seeded(0)
+        )
         assert "take turns reading it" in loader.stats().executor
 
 
@@ -318,7 +322,7 @@ def test_state_a_worker_init_fn_opens_is_found_too(records, moves, no_child_left
         dataset, batch_size=16, num_workers=2, worker_init_fn=open_in_worker
     )
     expected = torchs(Records(records, 512), num_workers=2, worker_init_fn=open_in_worker)
-    assert ours(loader) == expected
+    assert samples_of(loader) == expected
     assert loader._auto.decision.executor == PROCESS
 
 
@@ -342,7 +346,7 @@ def test_a_dataset_that_cannot_be_copied_as_it_was_stays_on_threads_and_says_why
 ):
     dataset = Unrestorable()
     loader = torch_spdl.DataLoader(dataset, batch_size=2, num_workers=2)
-    assert ours(loader) == list(range(64))
+    assert samples_of(loader) == list(range(64))
     decision = loader._auto.decision
     assert decision is not None and decision.executor == THREAD
     assert "Unrestorable cannot be copied" in decision.reason
@@ -484,10 +488,10 @@ def test_auto_reads_a_dataset_holding_an_open_file_in_turns(records, moves, no_c
     reference = tud.DataLoader(Records(records, 512), generator=seeded(0), **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the processes could not start: said so
-        assert ours(loader) == torch.cat(list(reference)).tolist()
+        assert samples_of(loader) == samples_of(reference)
         if loader._auto.decision.untried:
             assert server_up.wait(threading.Event())
-            assert ours(loader) == torch.cat(list(reference)).tolist()
+            assert samples_of(loader) == samples_of(reference)
     assert loader._auto.decision.executor == THREAD, str(loader._auto.decision)
 
 
@@ -565,7 +569,7 @@ def test_auto_reads_a_pillow_image_with_frames_in_turns(gif, moves, no_child_lef
     loader = torch_spdl.DataLoader(Frames(gif), batch_size=4, num_workers=2)
     expected = torchs(Frames(gif))  # in torch's loop: its forked workers share the file's position
     assert expected == [4 * index for index in range(FRAMES)]
-    assert ours(loader) == expected
+    assert samples_of(loader) == expected
     decision = loader._auto.decision
     assert decision.executor == THREAD
     assert "copied as one frame: its threads take turns reading it" in decision.reason
