@@ -17,12 +17,11 @@ def wait_for_threads(before: set[threading.Thread], within: float = 2.0) -> set[
 
     It waits by joining them, which releases the GIL for the whole wait: a thread on its way out
     may need the GIL several times. Garbage is collected only between rounds of joins, which grow
-    to half a second (an iterator in a reference cycle stops its threads only once
-    collected, so the first rounds are short), since a
-    collection holds the GIL for a long time in a full test session (0.17 s with Lightning
-    imported), and a check that collected every few milliseconds starved the very threads it
-    waited for on a loaded machine. The check is that threads end, not how fast: ``within``
-    leaves a loaded 2-core CI machine its margin.
+    from 20 ms to half a second (an iterator in a reference cycle stops its threads only once
+    collected, so the first rounds are short): a collection holds the GIL for a long time in a
+    full test session (0.17 s with Lightning imported), and a check that collected every few
+    milliseconds starved the very threads it waited for on a loaded machine. The check is that
+    threads end, not how fast: ``within`` leaves a loaded 2-core CI machine its margin.
     """
     deadline = time.monotonic() + within
     joins = 0.02
