@@ -4,13 +4,15 @@ what travels by value, what in shared memory. Loaders that send them: tests/test
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-from torch_spdl import messages
+from torch_spdl import messages, shared_buffers
 
 
 def many_small(count: int) -> list[torch.Tensor]:
@@ -52,6 +54,79 @@ def test_a_packed_job_sets_aside_what_multiprocessing_reduces_and_reads_back_who
     back = packed.unpack()
     assert back["samples"] == job["samples"]
     assert back["small"] is small and back["big"] is back["again"] is big
+
+
+needs_memfd = pytest.mark.skipif(
+    not shared_buffers.available(), reason="buffers are shared through memfd_create (Linux)"
+)
+
+
+def holding_arrays() -> dict:
+    """A job as an in-memory dataset is one (CIFAR-10 holds its images in one NumPy array):
+    large arrays, one read-only, one Fortran-ordered, a small one, and one seen twice."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    frozen = np.arange(1 << 15, dtype=np.int64)
+    frozen.flags.writeable = False
+    fortran = np.asfortranarray(rng.random((256, 64)))
+    small = np.arange(16, dtype=np.int32)
+    return {"images": images, "frozen": frozen, "fortran": fortran, "small": small, "again": images}
+
+
+def assert_same_arrays(back: dict, job: dict) -> None:
+    for key in ("images", "frozen", "fortran", "small"):
+        assert back[key].dtype == job[key].dtype and np.array_equal(back[key], job[key]), key
+        assert back[key].flags.f_contiguous == job[key].flags.f_contiguous, key
+        assert back[key].flags.writeable == job[key].flags.writeable, key
+    assert back["again"] is back["images"]
+
+
+@needs_memfd
+def test_a_packed_jobs_large_arrays_are_shared_not_pickled():
+    """Each worker of a pool unpickled its own copy of a dataset's arrays (torch's forked
+    workers share the parent's pages): their data now goes to one shared file, outside the
+    pickle, and reads back equal, with its order and read-only flag."""
+    job = holding_arrays()
+    packed = messages.pack(job)
+    assert isinstance(packed.data, bytes) and len(packed.data) < 10_000
+    assert packed.buffers is not None
+    shared = [job[key].nbytes for key in ("images", "frozen", "fortran")]
+    assert [length for _, length in packed.buffers.spans] == shared
+    back = packed.unpack()
+    assert_same_arrays(back, job)
+    with pytest.raises(ValueError, match="read-only"):
+        back["frozen"][0] = 1
+
+
+@needs_memfd
+def test_a_write_to_a_shared_array_is_the_writers_own():
+    """Mapped copy-on-write, as a forked worker's memory is: what one reader writes, neither
+    the main process's array nor another reader sees."""
+    job = holding_arrays()
+    packed = messages.pack(job)
+    one, other = packed.unpack(), packed.unpack()
+    one["images"][0] = 7
+    assert bool((one["images"][0] == 7).all())
+    assert np.array_equal(other["images"], job["images"])
+    assert not bool((job["images"][0] == 7).all())
+
+
+@pytest.mark.parametrize("why", ["no memfd_create", "no memory for the file"])
+def test_where_no_buffer_can_be_shared_the_arrays_travel_in_the_pickle(
+    why: str, monkeypatch: pytest.MonkeyPatch
+):
+    if why == "no memfd_create":
+        monkeypatch.setattr(shared_buffers, "available", lambda: False)
+    else:
+
+        def refuse(*args: object) -> int:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "memfd_create", refuse, raising=False)
+    job = holding_arrays()
+    packed = messages.pack(job)
+    assert packed.buffers is None
+    assert_same_arrays(packed.unpack(), job)
 
 
 def test_a_job_only_a_starting_process_may_pickle_is_left_to_it():

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
-from . import shared_pages
+from . import shared_buffers, shared_pages
 from .compat import new_shared_storage
 from .transfer import map_tensors
 
@@ -198,53 +198,78 @@ class Packed:
     without ``persistent_workers``, where torch forks its workers and pickles nothing. Packed,
     the job is pickled once, into shared memory where it is large (:data:`LARGE_MESSAGE`); each
     worker is sent that, and what needs multiprocessing's own reductions to reach a process
-    (tensors, which go to shared memory, connections, sockets) alongside it, as before.
-    Unpickled, it is the job: a worker receives its job as it would without packing.
+    (tensors, which go to shared memory, connections, sockets) alongside it, as before, and
+    the large buffers of its arrays, which every worker maps copy-on-write
+    (:mod:`torch_spdl.shared_buffers`). Unpickled, it is the job: a worker receives its job as
+    it would without packing.
     """
 
-    def __init__(self, data: bytes | torch.Tensor, side: list[Any]) -> None:
+    def __init__(
+        self,
+        data: bytes | torch.Tensor,
+        side: list[Any],
+        buffers: shared_buffers.Mapped | None = None,
+    ) -> None:
         self.data = data
         self.side = side
+        self.buffers = buffers
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes | torch.Tensor, list[Any]]]:
-        return _unpacked, (self.data, self.side)
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _unpacked, (self.data, self.side, self.buffers)
 
     def unpack(self) -> Any:
-        """The job."""
-        data = self.data if isinstance(self.data, bytes) else self.data.numpy().data
-        return _SideUnpickler(io.BytesIO(data), self.side).load()
+        """The job (its shared buffers mapped in this process)."""
+        views = None if self.buffers is None else self.buffers.views()
+        return _unpacked(self.data, self.side, views)
 
 
-def _unpacked(data: bytes | torch.Tensor, side: list[Any]) -> Any:
-    return Packed(data, side).unpack()
+def _unpacked(
+    data: bytes | torch.Tensor, side: list[Any], buffers: list[memoryview] | None = None
+) -> Any:
+    """The job, in the process that unpickles a :class:`Packed` (its buffers already mapped
+    there, as :class:`~torch_spdl.shared_buffers.Mapped` unpickles)."""
+    stream = data if isinstance(data, bytes) else data.numpy().data
+    return _SideUnpickler(io.BytesIO(stream), side, buffers).load()
 
 
 def pack(obj: Any) -> Any:
     """``obj`` as a :class:`Packed`, or ``obj`` itself where it cannot be pickled here: then
     each worker's start pickles it, as without packing, and raises what is wrong with it (an
     object that only a process being started may pickle, such as a ``multiprocessing.Lock``,
-    reads as fine there)."""
-    buffer = io.BytesIO()
-    pickler = _PackPickler(buffer)
+    reads as fine there). Its large buffers go to one shared file; where the file cannot be
+    made, they stay in the pickle."""
     try:
-        pickler.dump(obj)
+        try:
+            return _pack(obj, shared_buffers.Segment())
+        except OSError:  # no memory file for the buffers (or an error pickling raises again)
+            return _pack(obj, None)
     except Exception:
         return obj
+
+
+def _pack(obj: Any, segment: shared_buffers.Segment | None) -> Packed:
+    buffer = io.BytesIO()
+    pickler = _PackPickler(buffer, segment)
+    pickler.dump(obj)
+    mapped = None if segment is None else segment.seal()
     data = buffer.getbuffer()
     if len(data) <= LARGE_MESSAGE:
-        return Packed(bytes(data), pickler.side)
-    return Packed(_shared_bytes(data), pickler.side)
+        return Packed(bytes(data), pickler.side, mapped)
+    return Packed(_shared_bytes(data), pickler.side, mapped)
 
 
-class _PackPickler(ForkingPickler):
+class _PackPickler(pickle.Pickler):
     """Pickles what ``copyreg`` knows how to, and sets aside the objects of the types
     multiprocessing and torch registered reductions for (those reduce differently for each
-    process they are sent to): :class:`_SideUnpickler` takes them from ``side``."""
+    process they are sent to): :class:`_SideUnpickler` takes them from ``side``. Buffers pickle
+    offers out of band go to ``segment``, where one is given (``ForkingPickler`` takes no
+    ``buffer_callback``: its reductions' types are read off one)."""
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file: io.BytesIO, segment: shared_buffers.Segment | None) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL, buffer_callback=segment)
         self.side: list[Any] = []
-        self._own = {t for t in self.dispatch_table if t not in copyreg.dispatch_table}
+        reductions = ForkingPickler(io.BytesIO()).dispatch_table
+        self._own = {t for t in reductions if t not in copyreg.dispatch_table}
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) not in self._own:
@@ -254,8 +279,8 @@ class _PackPickler(ForkingPickler):
 
 
 class _SideUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, side: list[Any]) -> None:
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, side: list[Any], buffers: list[memoryview] | None) -> None:
+        super().__init__(file, buffers=buffers)
         self._side = side
 
     def find_class(self, module: str, name: str) -> Any:

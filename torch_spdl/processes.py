@@ -12,6 +12,8 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
   child.
 - **The dataset is sent once per worker**, at start: pickled once with ``forkserver``/``spawn``,
   inherited with ``fork``, as torch's workers get it (so the same picklability rules apply).
+  Its large NumPy arrays are shared, not copied: every worker maps their data copy-on-write
+  (:mod:`torch_spdl.shared_buffers`), as a forked worker shares the parent's pages.
   A staged dataset's own synchronous ``load`` runs in the worker too, on I/O threads of the
   worker's own, which collates the batch (:class:`WholeJob`, where the pass starts in
   processes); other ``load`` hooks stay on the main process's I/O threads, and only
