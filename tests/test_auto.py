@@ -18,7 +18,7 @@ from index_datasets import Indices, WhereRead
 from torch.utils.data import Dataset, IterableDataset
 
 import torch_spdl
-from torch_spdl import auto, gil, server_up
+from torch_spdl import auto, gil, server_up, shared_buffers
 from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision, Measured, Tally, Trial, decide
 from torch_spdl.processes import PoolStarter
 from torch_spdl.switch import Cut, Switch
@@ -1334,6 +1334,11 @@ def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processe
 
 
 # -- what each worker process would hold a copy of ---------------------------------------------
+needs_memfd = pytest.mark.skipif(
+    not shared_buffers.available(), reason="arrays are shared through memfd_create (Linux)"
+)
+
+
 class Holding(Indices):
     """A map-style dataset holding ``value``."""
 
@@ -1342,18 +1347,51 @@ class Holding(Indices):
         self.value = value
 
 
-def test_a_worker_would_copy_arrays_and_the_pickle_but_share_tensors():
+@needs_memfd
+def test_a_worker_would_copy_the_pickle_and_what_it_cannot_share():
     import numpy as np
 
     from torch_spdl.pickled import contents
 
     empty = contents(Holding(4, None)).copied_bytes
-    array = np.zeros(1 << 20, dtype=np.uint8)
-    assert 0 <= contents(Holding(4, array)).copied_bytes - empty - array.nbytes < 100
+    array = np.zeros((1 << 10, 1 << 10), dtype=np.uint8)
+    gapped = array[:, ::2]  # not contiguous: pickled by value
+    assert 0 <= contents(Holding(4, gapped)).copied_bytes - empty - gapped.nbytes < 100
     encoded = [bytes([i]) * 1000 for i in range(100)]  # encoded images: pickled, so copied
     assert contents(Holding(4, encoded)).copied_bytes >= empty + 100_000
     # torch's reductions put a tensor's storage in shared memory once, for every worker
     assert contents(Holding(4, torch.zeros(1 << 20))).copied_bytes < empty + 1000
+    # a contiguous array's data is mapped by every worker (torch_spdl.shared_buffers)...
+    found = contents(Holding(4, array))
+    assert found.copied_bytes < empty + 1000 and found.shared_bytes == array.nbytes
+    assert contents(Holding(4, bytearray(array))).copied_bytes >= empty + array.nbytes
+    small = np.zeros(shared_buffers.MIN_BYTES // 2, dtype=np.uint8)  # ...unless it is small
+    assert 0 <= contents(Holding(4, small)).copied_bytes - empty - small.nbytes < 100
+
+
+def test_a_memmap_is_copied_by_each_worker(tmp_path):
+    """NumPy pickles its subclasses' data in band (a ``np.memmap`` reads its file into the
+    pickle): each worker holds a copy, as before, and the count says so."""
+    import numpy as np
+
+    from torch_spdl.pickled import contents
+
+    empty = contents(Holding(4, None)).copied_bytes
+    mapped = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", shape=(1 << 20,))
+    found = contents(Holding(4, mapped))
+    assert found.copied_bytes >= empty + mapped.nbytes and found.shared_bytes == 0
+    del mapped
+
+
+def test_where_no_buffer_can_be_shared_a_worker_copies_arrays(monkeypatch):
+    import numpy as np
+
+    from torch_spdl.pickled import contents
+
+    monkeypatch.setattr(shared_buffers, "available", lambda: False)
+    empty = contents(Holding(4, None)).copied_bytes
+    array = np.zeros(1 << 20, dtype=np.uint8)
+    assert 0 <= contents(Holding(4, array)).copied_bytes - empty - array.nbytes < 100
 
 
 def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkeypatch):
@@ -1366,7 +1404,7 @@ def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkey
     from torch_spdl.processes import PoolStarter
 
     monkeypatch.setattr(pickled, "physical_memory", lambda: 256 << 20)  # a 256 MiB host
-    dataset = Holding(4, np.zeros(8 << 20, dtype=np.uint8))  # 8 MiB
+    dataset = Holding(4, np.zeros((8 << 10, 1 << 11), dtype=np.uint8)[:, ::2])  # 8 MiB, gapped
 
     def reason(workers: int) -> str | None:
         return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).unsafe()
@@ -1379,6 +1417,27 @@ def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkey
     ), said
     decision = decide(measured(stage_wait=0.6), cpus=16, no_processes=said)
     assert decision.executor == THREAD and "its own copy" in decision.reason
+
+
+@needs_memfd
+def test_the_copy_workers_share_counts_once_against_the_hosts_memory(monkeypatch):
+    """An array the workers map (torch_spdl.shared_buffers) is one copy more, whatever the
+    workers: under 1/16 of the host's memory it may go to any number of them."""
+    import numpy as np
+
+    from torch_spdl import pickled
+    from torch_spdl.jobs import FetchJob
+    from torch_spdl.processes import PoolStarter
+
+    monkeypatch.setattr(pickled, "physical_memory", lambda: 256 << 20)  # a 256 MiB host
+
+    def reason(array_mib: int, workers: int) -> str | None:
+        dataset = Holding(4, np.zeros(array_mib << 20, dtype=np.uint8))
+        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).unsafe()
+
+    assert reason(12, 1) is None and reason(12, 16) is None  # 12 MiB of 256: under 1/16
+    said = reason(20, 2)
+    assert said is not None and "with one copy of 20 MiB of arrays they would share" in said
 
 
 NOTEBOOK = """
