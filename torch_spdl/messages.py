@@ -241,8 +241,8 @@ def pack(obj: Any) -> Any:
     try:
         try:
             return _pack(obj, shared_buffers.Segment())
-        except OSError:  # no memory file for the buffers (or an error pickling raises again)
-            return _pack(obj, None)
+        except OSError:  # no memory for the buffers' file: they go in band (an OSError
+            return _pack(obj, None)  # of pickling itself comes again, and obj is returned)
     except Exception:
         return obj
 

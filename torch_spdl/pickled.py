@@ -77,9 +77,11 @@ class _Scan(pickle.Pickler):
         if tensor or (isinstance(obj, np.ndarray) and not obj.dtype.hasobject):
             if type(obj).__module__ == "__main__":
                 self.names.append(type(obj).__qualname__)
-            if not tensor and _out_of_band(obj) and shared_buffers.shares(obj.nbytes):
+            if tensor:
+                return tuple, ()
+            if _out_of_band(obj) and shared_buffers.shares(obj.nbytes):
                 self.shared_bytes += obj.nbytes
-            elif not tensor:
+            else:
                 self.array_bytes += obj.nbytes
             return tuple, ()
         return NotImplemented

@@ -88,9 +88,8 @@ def _layout(lengths: Any) -> tuple[list[Span], int]:
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:
-    """All of ``view`` at ``offset`` (a single ``pwrite`` may write less: Linux writes at most
-    about 2 GiB a call)."""
-    view = view.cast("B")
+    """All of ``view`` (bytes: a ``PickleBuffer``'s raw view) at ``offset``; a single
+    ``pwrite`` may write less (Linux writes at most about 2 GiB a call)."""
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -103,7 +102,7 @@ class Mapped:
 
     def __init__(self, fd: int, size: int, spans: list[Span]) -> None:
         self.fd, self.size, self.spans = fd, size, spans
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        weakref.finalize(self, os.close, fd)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, int, list[Span]]]:
         return _mapped, (DupFd(self.fd), self.size, self.spans)
@@ -111,9 +110,6 @@ class Mapped:
     def views(self) -> list[memoryview]:
         """The buffers, mapped copy-on-write in this process."""
         return _views(self.fd, self.size, self.spans)
-
-    def close(self) -> None:
-        self._finalizer()
 
 
 def _mapped(fd: Any, size: int, spans: list[Span]) -> list[memoryview]:
