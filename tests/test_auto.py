@@ -214,6 +214,17 @@ def test_what_processes_would_save_is_the_cores_left_idle_or_the_loops_wait():
     assert idle_loop.gain(2) == 0.0
 
 
+def test_cores_other_programs_take_are_not_idle_for_processes_to_use():
+    """2 threads keep 1 of 2 cores busy while they wait for a core 40 % of their tasks' time
+    (a fork server importing beside them, say): the other core is taken, not idle, and worker
+    processes would wait for it too. What they would save is the threads' wait for the GIL."""
+    crowded = measured(stage_wait=0.1, stage_queued=0.4, busy_cores=1.0, workers=2)
+    assert crowded.wanted_cores > 1.7
+    assert crowded.gain(2) == pytest.approx(0.1)
+    alone = measured(stage_wait=0.1, busy_cores=1.0, workers=2, consumer_cpu=0.0)
+    assert alone.gain(2) == pytest.approx(0.5)  # nothing waited for it: the core was idle
+
+
 def test_a_switch_mid_pass_waits_for_the_next_pass_where_it_would_not_pay():
     """Work the GIL binds a little (threads keep 1.9 of 2 cores busy, and wait 6 %) would save a
     quarter of a second of what is left of the pass, against the seconds a fork server takes to

@@ -253,11 +253,12 @@ class Measured:
 
     def gain(self, cpus: int) -> float:
         """The share of the stage's time worker processes would save, the largest of: the cores
-        its threads leave idle, of those its workers could use beside the training loop; the
-        threads' own wait for the GIL; the share of its steps the training loop is held off by
-        the GIL."""
+        its threads leave idle, of those its workers could use beside the training loop (cores
+        its threads waited for, which other programs took, are not idle: processes would wait
+        for them too); the threads' own wait for the GIL; the share of its steps the training
+        loop is held off by the GIL."""
         usable = min(max(self.workers, self.threads), max(1.0, cpus - self.consumer_cpu))
-        idle = max(0.0, 1.0 - self.busy_cores / usable)
+        idle = max(0.0, 1.0 - self.wanted_cores / usable)
         held = self.consumer_held if self.consumer_cpu >= CONSUMER_CPU else 0.0
         return max(idle, self.stage_wait, held)
 
