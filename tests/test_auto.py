@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from host_load import unstolen
 from index_datasets import Indices, WhereRead
 from torch.utils.data import Dataset, IterableDataset
 
@@ -286,8 +287,6 @@ def test_a_threads_first_task_is_delivered_but_not_measured():
     """A thread's first task pays what the process does once (imports under the import lock, a
     library setting itself up), and the others wait for it: counted, that read as 20-27 % of
     the stage's time waiting for the GIL, where later trials on the same work read 1-9 %."""
-    trial = Trial(2, total=20)
-    setting_up, began = threading.Lock(), threading.Event()
 
     def first(index: int) -> int:
         if index == 0:
@@ -301,17 +300,25 @@ def test_a_threads_first_task_is_delivered_but_not_measured():
         return index
 
     def later(index: int) -> int:
-        sum(range(20_000))  # on a CPU, one thread at a time
+        sum(range(100_000))  # on a CPU, one thread at a time: 2 ms, not to be read as waiting
         return index
 
-    with (
-        concurrent.futures.ThreadPoolExecutor(1) as one,
-        concurrent.futures.ThreadPoolExecutor(1) as other,
-    ):
-        firsts = [pool.submit(trial.run, first, i) for i, pool in enumerate((one, other))]
-        results = [future.result() for future in firsts]
-        for pool, indices in ((one, range(2, 11)), (other, range(11, 20))):
-            results += pool.submit(lambda run=indices: [trial.run(later, i) for i in run]).result()
+    def attempt() -> tuple[Trial, list[int]]:
+        trial = Trial(2, total=20)
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as one,
+            concurrent.futures.ThreadPoolExecutor(1) as other,
+        ):
+            firsts = [pool.submit(trial.run, first, i) for i, pool in enumerate((one, other))]
+            results = [future.result() for future in firsts]
+            for pool, indices in ((one, range(2, 11)), (other, range(11, 20))):
+                run = pool.submit(lambda run=indices: [trial.run(later, i) for i in run])
+                results += run.result()
+        return trial, results
+
+    setting_up = threading.Lock()
+    began = threading.Event()
+    trial, results = unstolen(attempt)
     assert results == list(range(20))  # every task delivered, the first ones too
     assert (trial.first.count, trial.stage.count, done(trial)) == (2, 18, 20)
     assert trial.first.waiting_s >= 0.04  # one of the first two waited for the other
@@ -698,7 +705,7 @@ def decisions_of(work, trials: int = 5, **rule) -> list[Decision]:
     noisy, so the tests below hold a majority to the verdict (and show every trial's figures).
     Five, not three: on CI's busy 2 cores, 2 of 3 trials of work that frees the GIL once read
     as slowing the loop (its wait for a core 21 %, the threads' 14 %)."""
-    return [decide(trial_of(work), cpus=2, **rule) for _ in range(trials)]
+    return [unstolen(lambda: decide(trial_of(work), cpus=2, **rule)) for _ in range(trials)]
 
 
 def majority(decisions: list[Decision]) -> str:
