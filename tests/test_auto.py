@@ -322,8 +322,11 @@ def test_a_threads_first_task_is_delivered_but_not_measured():
     assert results == list(range(20))  # every task delivered, the first ones too
     assert (trial.first.count, trial.stage.count, done(trial)) == (2, 18, 20)
     assert trial.first.waiting_s >= 0.04  # one of the first two waited for the other
+    # counted, the first two tasks' 0.1 s off the CPU would read as about 70 % of the stage's
+    # time; the later ones run one at a time, so what they read is the host's noise (1-7 % on
+    # a busy 2-core VM, over the rule's 5 % now and then): the bound tells the two apart
     figures = trial.measured()
-    assert figures.stage.count == 18 and figures.stage_wait < auto.STAGE_WAIT
+    assert figures.stage.count == 18 and figures.stage_wait < 0.25
 
 
 def test_a_trial_decides_on_a_task_past_its_threads_first():
