@@ -474,6 +474,7 @@ def smoke_runs(tmp_path_factory) -> dict[str, tuple[Ran, Path]]:
     return {"one": (ran["one"], one), "several": (ran["several"], several)}
 
 
+@pytest.mark.integration
 def test_quick_run_prints_the_table_and_writes_the_plot(smoke_runs):
     """Workload A end to end: the table, the targets, the per-stage view, the JSON and the PNG.
     One workload runs in the bench's own process."""
@@ -498,6 +499,7 @@ def test_quick_run_prints_the_table_and_writes_the_plot(smoke_runs):
     assert all(r["median_peak_pss_bytes"] > 0 for r in raw["results"])
 
 
+@pytest.mark.integration
 def test_several_workloads_run_in_fresh_processes_under_a_parent_without_torch(smoke_runs):
     """With several workloads each runs in its own process, under a parent that has not mapped
     torch: one that had would take its share of torch's pages off every PSS measured."""

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from subprocesses import REPO, Ran, Run, free_port, run_together
 
+pytestmark = pytest.mark.integration
+
 SCRIPT = str(REPO / "examples" / "ddp_train.py")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 OK_SHARDS = (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from subprocesses import run_example
+
+pytestmark = pytest.mark.integration
 
 
 def test_imagefolder_example(tmp_path):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from subprocesses import run_example
+
+pytestmark = pytest.mark.integration
 
 
 def test_video_clips_example(tmp_path):

@@ -24,7 +24,7 @@ pytest.importorskip("lightning")
 from subprocesses import Ran, Run, free_port, run_together  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.integration]
 
 SCRIPT = Path(__file__).with_name("lightning_ddp_fit.py")
 SIZE, BATCH, EPOCHS, WORLD = 32, 4, 2, 2

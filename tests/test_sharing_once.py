@@ -48,7 +48,7 @@ ranks (workers idle in ``index_queue.get``, the main process in ``_try_get_data`
 torch_spdl loader in the process at all: about once in 200 to 450 epochs. A hang that comes back
 fails the test; one that does not is reported as a warning."""
 
-pytestmark = pytest.mark.timeout(BUDGET_S + 60)
+pytestmark = [pytest.mark.timeout(BUDGET_S + 60), pytest.mark.integration]
 
 CONFIG_IDS = [f"{workers}-{method}" for workers, method in CONFIGS]
 configs = pytest.mark.parametrize(("workers", "method"), CONFIGS, ids=CONFIG_IDS)
