@@ -918,8 +918,12 @@ def test_passes_too_short_to_move_in_start_the_next_in_processes(
     """Twelve batches on two threads: the trial ends halfway through the pass, too late to start
     processes for the rest of it, so the next pass starts in them (their fork server is up);
     torch's samples throughout. Persistent workers too: their threads give way to processes at
-    the next pass."""
+    the next pass. A start dearer than the whole pass makes "too late" hold on a host of any
+    speed (at 0.3 s, a slow run's half pass can pay for it); the rule's arithmetic is tested on
+    measured inputs above."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    for start in ("COLD_START_S", "WARM_START_S"):
+        monkeypatch.setattr(auto, start, 60.0)
     dataset = PythonSamples(48, 300_000)
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=4))
     loader = torch_spdl.DataLoader(
