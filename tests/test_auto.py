@@ -1499,6 +1499,7 @@ print("auto:", loader.stats().executor)
 """
 
 
+@pytest.mark.integration
 def test_a_notebooks_dataset_runs_on_threads_with_torchs_batches(no_child_left):
     """``python -c`` has no main file, like a notebook: the dataset class it defines cannot
     reach a worker process, so ``"process"`` says so at once and ``"auto"`` keeps threads."""

@@ -442,6 +442,7 @@ def test_warmup_gives_a_and_d_an_untimed_first_pass_of_that_many_batches(tmp_pat
         pass
 
 
+@pytest.mark.integration
 def test_only_the_images_workload_imports_torchvision():
     """B and C measure the memory of their processes: an unused torchvision (160 MB of PSS)
     would count on both sides of their ratios."""

@@ -419,6 +419,7 @@ print(results)
 """
 
 
+@pytest.mark.integration
 def test_each_private_name_removed_in_turn_leaves_a_loader_with_threads_working():
     """One fresh interpreter: for each name, torch without it and torch_spdl imported again, then
     errors, hooks, sharding by ``get_worker_info()`` and single-threaded kernels in worker
@@ -429,6 +430,7 @@ def test_each_private_name_removed_in_turn_leaves_a_loader_with_threads_working(
     assert out == repr({ours: working for ours in sorted(names)})
 
 
+@pytest.mark.integration
 def test_torch_spdl_runs_without_any_of_the_private_names_it_can_replace():
     """Threads, processes, hooks and streams, on a torch with none of the replaceable names."""
     everything = [".".join(where) for where in compat.PRIVATE_NAMES.values()]
@@ -446,6 +448,7 @@ assert all(getattr(compat, ours) is compat.FALLBACKS[ours] for ours in compat.PR
     assert out == repr(expected)
 
 
+@pytest.mark.integration
 def test_an_unsupported_torch_is_named_in_the_import_error():
     code = "import torch_spdl"
     with pytest.raises(AssertionError) as info:
@@ -455,6 +458,7 @@ def test_an_unsupported_torch_is_named_in_the_import_error():
     assert "has no torch.utils.data.dataloader._BaseDataLoaderIter" in str(info.value)
 
 
+@pytest.mark.integration
 def test_get_worker_info_imported_before_torch_spdl_answers_per_thread():
     code = """
 from torch.utils.data import get_worker_info   # before torch_spdl, as user code often does
@@ -473,6 +477,7 @@ print(get_worker_info(), sorted(set(torch_spdl.DataLoader(Ids(), num_workers=3, 
     assert run_python("-c", code).strip() == "None [3]"
 
 
+@pytest.mark.integration
 def test_a_get_worker_info_that_cannot_change_in_place_is_replaced_in_torchs_modules():
     """A torch whose function has a closure (its code cannot be swapped for one without): the
     modules get a thread-aware function, and a warning says what earlier references miss."""

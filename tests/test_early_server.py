@@ -138,20 +138,24 @@ def run_script(tmp_path, guarded: bool, *args: str) -> str:
     return run_python(str(path), *args, timeout=300).strip()
 
 
+@pytest.mark.integration
 def test_process_workers_find_the_server_started_as_the_loader_was_made(tmp_path):
     assert run_script(tmp_path, True, "process", "2", "1") == "[True, '', False]"
 
 
+@pytest.mark.integration
 def test_auto_on_many_cores_starts_it_and_stops_it_when_the_stage_stays_on_threads(tmp_path):
     """With the GIL off (free-threaded Python) the stage stays on threads: nothing starts."""
     started = gil.gil_enabled()
     assert run_script(tmp_path, True, "auto", "16", "1") == f"[{started}, 'threads', True]"
 
 
+@pytest.mark.integration
 def test_auto_on_few_cores_starts_nothing_before_it_decides(tmp_path):
     assert run_script(tmp_path, True, "auto", "2", "1") == "[False, 'threads', True]"
 
 
+@pytest.mark.integration
 def test_a_script_without_a_main_guard_starts_no_server_as_the_loader_is_made(tmp_path):
     """A fork server may import the main script (Python 3.13 and later): this one would run
     again in it. (No pass: its workers would run it again too.)"""

@@ -5,7 +5,10 @@ Each case runs in a fresh interpreter, since this one has imported torchvision l
 
 from __future__ import annotations
 
+import pytest
 from subprocesses import run_python
+
+pytestmark = pytest.mark.integration  # fresh interpreters: seconds each
 
 
 def run_fresh(code: str) -> str:

@@ -352,6 +352,7 @@ def test_one_worker_draws_the_same_random_numbers_as_torch(persistent):
     assert expected[0] != expected[1]  # the epochs differ: it compares real draws
 
 
+@pytest.mark.integration
 def test_spawn_context_sends_the_dataset_by_pickle():
     kwargs = dict(batch_size=5, shuffle=True, seed=5, num_workers=2)
     expected = epochs(torchs(Squares(), **kwargs), count=1)
@@ -603,6 +604,7 @@ class PluginsImported(Dataset):
         return "PIL.JpegImagePlugin" in sys.modules
 
 
+@pytest.mark.integration
 def test_a_worker_process_finds_pillows_format_plugins_imported():
     """Pillow imports its common format plugins at the first ``Image.open``; the fork server
     does it once, where each worker did it at its first sample, at every start."""
@@ -620,6 +622,7 @@ class RegionModuleImported:
         return "torch_spdl.io.region" in sys.modules
 
 
+@pytest.mark.integration
 def test_an_image_folders_worker_process_finds_the_region_decoders_module_imported(jpeg_folder):
     """Where the fork server preloads torchvision's folder datasets, it imports the module of
     the region decoder that their crops may use (torch_spdl.crop_first), once."""
@@ -1008,6 +1011,7 @@ def started_with(context, names):
 UNUSED = ["wave", "tabnanny", "pyclbr"]  # imported by nothing the tests import
 
 
+@pytest.mark.integration
 def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idle():
     """A running server keeps what it preloaded; non-persistent workers of a pool needing other
     modules would import them at every pass, so an idle server starts again with both lists."""
@@ -1045,6 +1049,7 @@ def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():
     assert child.exitcode == 0  # a stopped server's child would read as 255
 
 
+@pytest.mark.integration
 @NEEDS_FORK
 def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     """torch's own loader forks its workers, which inherit the fork server's alive pipe: a
@@ -1077,6 +1082,7 @@ def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     assert child.exitcode == 0
 
 
+@pytest.mark.integration
 @NEEDS_FORK
 def test_a_fork_server_ended_for_a_restart_exits_as_usual_and_its_workers_still_die_on_sigterm(
     monkeypatch, tmp_path
@@ -1127,6 +1133,7 @@ print("not ended")
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("private", ["with", "without"])
 def test_a_sigterm_runs_the_servers_exit_handlers_with_or_without_pythons_private_name(private):
     """The server's handler runs the exit handlers through ``atexit``'s private
@@ -1147,6 +1154,7 @@ def start_process(context: Any, job: Any, worker: int, workers: int) -> Any:
     return processes._start_process(context, settings, job, worker, workers, 0, None, job)
 
 
+@pytest.mark.integration
 def test_a_restart_waits_for_a_worker_being_started(monkeypatch):
     """A worker the server has forked is no child yet until start() returns (multiprocessing
     lists it then). A restart for another loader's modules, in another thread, must not stop the
@@ -1219,6 +1227,7 @@ def test_a_dead_workers_exit_code_survives_a_start_in_another_thread(monkeypatch
     assert "exit code -9 (killed by signal SIGKILL)" in str(error), str(error)
 
 
+@pytest.mark.integration
 def test_a_warmed_pool_starter_starts_its_fork_server_with_the_jobs_modules():
     """``"auto"``'s processes from the next pass: their fork server starts as it decides."""
     from torch_spdl.jobs import FetchJob
@@ -1409,6 +1418,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.integration
 def test_a_workers_run_of_the_main_script_finds_its_imports_done(tmp_path):
     """A worker from the fork server runs the main script again; its imports are the server's,
     done once, not done again in every worker at every pass."""

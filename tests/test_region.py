@@ -257,6 +257,7 @@ def test_a_forked_child_decodes_with_a_decoder_of_its_own():
     assert child.exitcode == 0
 
 
+@pytest.mark.integration
 @needs_it
 def test_loading_the_decoder_prints_nothing():
     """nvImageCodec's extensions that find no nvJPEG print errors from native code at import."""
@@ -265,6 +266,7 @@ def test_loading_the_decoder_prints_nothing():
     assert run.returncode == 0 and run.stderr == b"" and run.stdout == b"", run.stderr
 
 
+@pytest.mark.integration
 @needs_it
 def test_an_unpickled_transform_has_loaded_the_decoder():
     """In a worker process, before its threads start, not in the first of them to decode."""

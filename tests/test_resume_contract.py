@@ -235,6 +235,7 @@ def _stateful(cls: type, every: int, workers: int) -> Any:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("every", [1, 3, 100])
 @pytest.mark.parametrize("taken", [2, 4])
@@ -416,6 +417,7 @@ class PositionsIter:
     ],
     ids=["inline", "threads", "threads_completion_order", "processes"],
 )
+@pytest.mark.integration
 def test_a_stream_with_state_is_restored_not_read_again(options, every):
     def make(cls: type) -> Any:
         return cls(Positions(), batch_size=2, snapshot_every_n_steps=every, **options)
@@ -618,6 +620,7 @@ def test_a_stateful_map_style_dataset_with_workers_reads_as_torchs(method, persi
     assert (want[0] == want[1]) is not persistent  # fresh copies each epoch, or carried on
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("taken", [1, 3, 5, 8])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 @pytest.mark.parametrize("method", ["thread", "process"])
@@ -782,6 +785,7 @@ def test_a_torchdata_checkpoint_between_epochs_starts_a_new_epoch():
     assert sorted(sum(epoch(ours), [])) == DATA
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("taken", [1, 3, 8])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 @pytest.mark.parametrize("method", ["thread", "process"])
@@ -859,6 +863,7 @@ print(json.dumps([[batch.tolist() for batch in loader] for _ in range(2)]))
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("taken", [3, None], ids=["mid_epoch", "end_of_epoch"])
 def test_a_fresh_process_resumes_what_the_saving_one_goes_on_with(tmp_path, workers, taken):
