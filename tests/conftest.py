@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -115,10 +116,19 @@ def fork_server_up(request):
 
 
 @pytest.fixture
-def quick_switch(monkeypatch, fork_server_up):
-    """A fork server already up, and a short pass worth a switch, so that the switch happens
-    within a test's time."""
+def start_cost(monkeypatch) -> Callable[[float], None]:
+    """Sets what ``"auto"`` counts a start of worker processes as, cold or warm alike."""
     from torch_spdl import auto
 
-    for start in ("COLD_START_S", "WARM_START_S"):  # a GIL-bound stage saves about half
-        monkeypatch.setattr(auto, start, 0.25)
+    def set_to(seconds: float) -> None:
+        for start in ("COLD_START_S", "WARM_START_S"):
+            monkeypatch.setattr(auto, start, seconds)
+
+    return set_to
+
+
+@pytest.fixture
+def quick_switch(start_cost, fork_server_up):
+    """A fork server already up, and a short pass worth a switch, so that the switch happens
+    within a test's time."""
+    start_cost(0.25)  # a GIL-bound stage saves about half

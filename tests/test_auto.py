@@ -913,7 +913,7 @@ def test_a_pass_given_up_during_a_trial_on_a_few_threads_leaves_none_waiting(
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_passes_too_short_to_move_in_start_the_next_in_processes(
-    no_child_left, monkeypatch, persistent, fork_server_up
+    no_child_left, monkeypatch, persistent, fork_server_up, start_cost
 ):
     """Twelve batches on two threads: the trial ends halfway through the pass, too late to start
     processes for the rest of it, so the next pass starts in them (their fork server is up);
@@ -922,8 +922,7 @@ def test_passes_too_short_to_move_in_start_the_next_in_processes(
     speed (at 0.3 s, a slow run's half pass can pay for it); the rule's arithmetic is tested on
     measured inputs above."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
-    for start in ("COLD_START_S", "WARM_START_S"):
-        monkeypatch.setattr(auto, start, 60.0)
+    start_cost(60.0)
     dataset = PythonSamples(48, 300_000)
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset, batch_size=4))
     loader = torch_spdl.DataLoader(

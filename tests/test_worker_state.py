@@ -75,11 +75,10 @@ def records(tmp_path) -> str:
 
 
 @pytest.fixture
-def moves(quick_switch, monkeypatch):
+def moves(quick_switch, start_cost, monkeypatch):
     """``"auto"`` decides after its least tasks and steps, and moves whatever is left."""
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
-    monkeypatch.setattr(auto, "COLD_START_S", 0.0)
-    monkeypatch.setattr(auto, "WARM_START_S", 0.0)
+    start_cost(0.0)
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -301,9 +300,10 @@ def test_auto_reads_a_dataset_with_state_in_turns_where_processes_cannot_start(
     assert decision is not None and decision.executor == THREAD
 
 
-def test_a_second_loader_over_the_same_dataset_knows_its_state(records, no_child_left, monkeypatch):
-    for start in ("COLD_START_S", "WARM_START_S"):  # stays on threads: in turns
-        monkeypatch.setattr(auto, start, 1e9)
+def test_a_second_loader_over_the_same_dataset_knows_its_state(
+    records, no_child_left, monkeypatch, start_cost
+):
+    start_cost(1e9)  # stays on threads: in turns
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
     dataset = Records(records, 512)
     for _ in range(2):  # the first loader's threads opened the file the second one reads
