@@ -15,9 +15,12 @@ block begins with nothing in between.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -135,12 +138,30 @@ class Channel(Generic[T]):
                     if remaining <= 0:
                         raise TimeoutError
                     self._not_empty.wait(remaining)
-            if self._stop.is_set():
-                raise Stopped
-            item = self._items.popleft()
-            if len(self._items) <= self._low:
-                self._not_full.notify()
-            return item
+            return self._pop()
+
+    def poll(self) -> T | None:
+        """Pop the oldest item if one is waiting, else None (at end of stream too) without
+        waiting: what a thread that has work in flight takes (:mod:`torch_spdl.pipeline.ahead`)."""
+        with self._lock:
+            return self._pop() if self._items or self._stop.is_set() else None
+
+    def listen(self, bell: Doorbell) -> bool:
+        """Not rung (see :meth:`SharedReader.listen`): a thread with work in flight takes the
+        next item once that work is done."""
+        return False
+
+    def hang_up(self, bell: Doorbell) -> None:
+        pass
+
+    def _pop(self) -> T:
+        """The oldest item, under the lock; waiting producers are woken at the low-water mark."""
+        if self._stop.is_set():
+            raise Stopped
+        item = self._items.popleft()
+        if len(self._items) <= self._low:
+            self._not_full.notify()
+        return item
 
     def close(self) -> None:
         """Mark one producer as done; the last one ends the stream for every consumer."""
@@ -248,3 +269,37 @@ class Gate:
         with self._lock:
             self._width = max(self._width, width if width is not None else sys.maxsize)
             self._wider.notify_all()
+
+
+class Doorbell:
+    """A file descriptor that turns readable when rung: how a thread that waits on a worker
+    process's pipe (``select``, not a Condition) is woken by another thread's event too. The one
+    who rings it and the one who answers it hold the same lock (its owner's)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        self.rung = False
+        # closed once nothing can wait on it: a thread may still select on it after a stop
+        weakref.finalize(self, _close_fds, self._read, self._write)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ring(self) -> None:
+        """Make it readable (once: it stays readable until answered)."""
+        if not self.rung:
+            self.rung = True
+            os.write(self._write, b"\0")
+
+    def answer(self) -> None:
+        """Drain it, if it was rung: not readable again until the next ring."""
+        if self.rung:
+            self.rung = False
+            os.read(self._read, 1)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

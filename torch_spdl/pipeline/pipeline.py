@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from ..inherited import in_thread
+from .ahead import SendsAhead, ahead_loop
 from .channel import Channel, Slots, Stopped, StopSignal
 from .items import Failure
 from .ordering import EpochEnd, Sink
@@ -224,9 +225,10 @@ class _Runtime:
         if stage.gate is not None:
             stage.gate.bind(self.stop)
         self._starting += stage.concurrency
+        loop = ahead_loop if isinstance(stage.fn, SendsAhead) else map_loop
         for worker in range(stage.concurrency):
             name = f"{stage.name}:{worker}"
-            self._thread(map_loop, name, stage, worker, upstream, out, self, stats)
+            self._thread(loop, name, stage, worker, upstream, out, self, stats)
         return out, producers
 
     # -- running ----------------------------------------------------------------------------

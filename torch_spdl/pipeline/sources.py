@@ -8,7 +8,7 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from .channel import Closed, Stopped, StopSignal
+from .channel import Closed, Doorbell, Stopped, StopSignal
 from .items import End, Failure
 
 
@@ -21,7 +21,10 @@ class SharedSource:
 
     With ``numbered=True`` the iterable yields ``(seq, value)`` itself and several consecutive items
     may share a seq (the samples of one batch); otherwise items are numbered 0, 1, 2, ...
-    ``max_in_flight`` bounds how many seqs are between the source and the consumer.
+    ``max_in_flight`` bounds how many seqs are between the source and the consumer. ``quick``:
+    its ``next()`` returns at once (a sampler's), so a thread with work in flight may take the
+    next item rather than wait for that work first (:meth:`SharedReader.poll`); a source that
+    may block (a queue, a listing, an earlier part of the pipeline) is not.
     """
 
     def __init__(
@@ -30,10 +33,12 @@ class SharedSource:
         *,
         numbered: bool = False,
         max_in_flight: int | None = None,
+        quick: bool = False,
     ) -> None:
         self.iterable = iterable
         self.numbered = numbered
         self.max_in_flight = max_in_flight
+        self.quick = quick
 
 
 class WorkerSource:
@@ -91,6 +96,7 @@ class SharedReader:
         self._next_seq = 0  # first seq not yet handed out; never reset, so epochs never collide
         self._base = 0
         self._last_local: Any = object()
+        self._listening: list[Doorbell] = []  # to ring as slots are freed (:meth:`listen`)
         stop.on_set(self._wake_all)
 
     def _wake_all(self) -> None:
@@ -123,6 +129,31 @@ class SharedReader:
                 assert self._free is not None  # set from the limit
                 self._free += 1
                 self._budget.notify()  # only the busy thread waits for budget
+                if self._listening:  # one slot, one thread woken
+                    self._listening.pop(0).ring()
+
+    def listen(self, bell: Doorbell) -> bool:
+        """Ring ``bell`` once the consumer frees an in-flight slot (at once if an item can be
+        taken now), for a thread with work in flight that waits on a worker's pipe meanwhile:
+        it then takes and sends the next task while the worker is still on the last, as torch's
+        consumer sends the next indices as it takes a batch. False where it could not take one
+        anyway (:meth:`poll`). :meth:`hang_up` ends the wait."""
+        if self._limit is None or not self._source.quick:
+            return False
+        with self._lock:
+            if self._may_take():
+                bell.ring()
+            else:
+                self._listening.append(bell)
+            return True
+
+    def hang_up(self, bell: Doorbell) -> None:
+        """The end of a wait that :meth:`listen` began: ``bell`` is no longer rung, and is
+        drained, so a ring that came too late cannot wake the next wait for nothing."""
+        with self._lock:
+            if bell in self._listening:
+                self._listening.remove(bell)
+            bell.answer()
 
     def _wait_for_turn(self) -> None:
         """Wait until an epoch is running and no other thread is inside the source.
@@ -143,8 +174,22 @@ class SharedReader:
         The iterator is advanced outside the lock, one thread at a time (``_busy``): a source
         that blocks (the part of the pipeline before a regroup, an async listing) must not hold
         up the consumer's releases or the stop signal meanwhile."""
+        taken = self._take(wait=True)
+        assert taken is not None  # only a take that does not wait gives nothing
+        return taken
+
+    def poll(self) -> tuple[int, Any] | None:
+        """Next ``(seq, value)`` if it can be taken without waiting for another thread's turn,
+        an epoch or in-flight budget, else None: what a thread that has work in flight takes
+        (:mod:`torch_spdl.pipeline.ahead`), since the budget it would wait for may be held by
+        its own results. None from a source that is not ``quick``: its ``next()`` may wait."""
+        return self._take(wait=False) if self._source.quick else None
+
+    def _take(self, wait: bool) -> tuple[int, Any] | None:
         while True:
             with self._lock:
+                if not wait and not self._may_take():
+                    return None
                 self._wait_for_turn()
                 if self._stop.is_set():
                     raise Stopped
@@ -164,6 +209,12 @@ class SharedReader:
                     self._cond.notify()  # the next thread's turn
             if numbered is not None:
                 return numbered
+
+    def _may_take(self) -> bool:
+        """Whether a thread may take an item now without waiting: an epoch runs, no other thread
+        is taking one, and a slot is free (none can be taken meanwhile: only the taker takes)."""
+        free = self._limit is None or (self._free is not None and self._free > 0)
+        return self._iterator is not None and not self._busy and free
 
     def _done_taking(self) -> None:
         with self._lock:
