@@ -264,7 +264,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     ) -> PipelineBuilder:
         """Batches from the sampler, each read by ``fetch`` (the plan's ``"batches"`` shape)."""
         plan = self._plan
-        source = SharedSource(self._make_source(self._sampler_iter), max_in_flight=plan.in_flight)
+        source = SharedSource(
+            self._make_source(self._sampler_iter), max_in_flight=plan.in_flight, quick=True
+        )
         builder = PipelineBuilder().add_source(source)
         self._pipe(builder, fetch, "fetch", self._num_workers, FetchTask.describe, start, gate)
         if plan.copies and not plan.in_order:
@@ -289,7 +291,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         )
         self._pool = pool
         self._make_source = fetch_tasks
-        following = self._pipeline_of(self._fetch_pipeline(pool.fetch, pool.start), pool)
+        following = self._pipeline_of(self._fetch_pipeline(pool.stage("fetch"), pool.start), pool)
         self._following = (following, taken)
 
     def _take_over(self) -> Pipeline[Any]:
@@ -317,9 +319,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             watch = loader._state_watch()
             fetch = watch.guard(read, serial=loader.worker_method == AUTO)
             start = watch.guard_start(start)
-        return self._cpu_stage(
-            loader, fetch if pool is None else pool.fetch, start, "fetch", tasks_per_batch=1
-        )
+        fn = fetch if pool is None else pool.stage("fetch")
+        return self._cpu_stage(loader, fn, start, "fetch", tasks_per_batch=1)
 
     def _on_copies(self, pool: ProcessPool | None) -> Callable[[CopyTask], Any]:
         """The fetch stage over one copy of a dataset with state per worker, batch ``i`` on copy
@@ -470,7 +471,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             loader,
             sample_stage(hooks.preprocess, lambda task: task.value)
             if pool is None
-            else pool.preprocess,
+            else pool.stage("preprocess"),
             start,
             "preprocess",
             tasks_per_batch=self._plan.samples_per_batch,

@@ -5,8 +5,10 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 ``preprocess`` with them, an IterableDataset's iterators) runs in ``num_workers`` processes:
 
 - **The engine is unchanged.** The stage still has ``num_workers`` threads. Thread *w* owns worker
-  process *w* and one pipe to it: it sends a task and waits for the answer. Ordering, back-pressure
-  (``prefetch_factor``), ``timeout``, persistent workers and stop/join are the engine's own.
+  process *w* and one pipe to it, and keeps the process's next task queued behind the one it is
+  on (:mod:`torch_spdl.pipeline.ahead`), as torch's workers have their next indices queued.
+  Ordering, back-pressure (``prefetch_factor``), ``timeout``, persistent workers and stop/join are
+  the engine's own.
 - **Workers start from a fork server** unless the program chose otherwise (see
   :func:`start_context`): forking a process whose other threads may hold locks can deadlock the
   child.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import pickle
 import random
@@ -45,6 +48,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection, util
@@ -73,6 +77,7 @@ from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
 from .pickled import contents, copies_too_large
 from .pipeline import Failure, Pipeline
+from .pipeline.ahead import NOT_YET, Result
 from .priority import below_this_process, run_at
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
 from .stream_state import WithState
@@ -216,9 +221,10 @@ def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) ->
 class _Worker:
     """One worker process and the main process's end of its pipe.
 
-    ``lock`` is held for a whole request/reply exchange, so :meth:`_Processes.close` can take the
-    pipe from its thread between exchanges. Re-entrant: a garbage-collection finaliser may close
-    the pool from inside an exchange on the same thread.
+    ``lock`` is held for a whole request/reply exchange (for each send and each receive of a
+    request sent ahead), so :meth:`_Processes.close` can take the pipe from its thread between
+    them. Re-entrant: a garbage-collection finaliser may close the pool from inside an exchange
+    on the same thread.
     """
 
     id: int
@@ -436,6 +442,7 @@ class ProcessPool:
         ``worker_init_fn`` is raised here with its type, which makes it fatal, as with threads."""
         worker = self._processes.workers[worker_id]
         self._local.worker = worker
+        self._local.sent = deque()  # requests sent ahead (:meth:`_post`), oldest first
         self._threads[threading.get_ident()] = worker_id
         self._await_ready(worker)
 
@@ -512,7 +519,8 @@ class ProcessPool:
         return new
 
     def _exchange(self, request: tuple[str, Any], worker: _Worker | None = None) -> Reply:
-        """One request to ``worker`` (this thread's process if None) and its reply."""
+        """One request to ``worker`` (this thread's process if None) and its reply; never while
+        this thread has requests sent ahead to it (their replies come first)."""
         worker = worker or self._current()
         with worker.lock:
             self._check_open()
@@ -525,11 +533,77 @@ class ProcessPool:
                 raise worker.died() from None
             return self._receive(worker)
 
-    def _receive(self, worker: _Worker) -> Reply:
-        """The worker's reply; RuntimeError if it dies first or the pool is closed meanwhile."""
+    # -- requests sent ahead: the process has the next one queued while this thread works -------
+    def _post(self, request: tuple[str, Any]) -> None:
+        """Send ``request`` to this thread's process without waiting for the reply, which
+        :meth:`_take` receives, replies in the order of their requests. A pipe broken by the
+        process's death is not an error here: the reply finds the death, and says it."""
+        message = dumps(request)  # a task that cannot be pickled fails before anything is sent
+        worker = self._current()
+        with worker.lock:
+            self._check_open()
+            self._await_ready(worker)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                worker.conn.send_bytes(message)
+        self._local.sent.append((request, None))
+
+    def _take(self, bell: int | None) -> Any:
+        """The reply to this thread's oldest request, or :data:`NOT_YET` if ``bell`` turns
+        readable first. If the process died on that request, those sent after it never ran:
+        they go to the process that replaces it, in their order."""
+        worker, sent = self._local.worker, self._local.sent
+        if sent[0][1] is not None:
+            raise RuntimeError(
+                f"DataLoader worker process {worker.id} died with this task queued, and no "
+                "process could take the task over"
+            ) from sent.popleft()[1]
+        try:
+            with worker.lock:
+                reply = self._receive(worker, bell)
+        except BaseException:
+            sent.popleft()
+            if worker.dead:
+                self._resend()
+            raise
+        if reply is not NOT_YET:
+            sent.popleft()
+        return reply
+
+    def _resend(self) -> None:
+        """Send this thread's unanswered requests again, to the process that replaces its dead
+        one; those it cannot send are kept with why, for :meth:`_take` to raise."""
+        sent = self._local.sent
+        queued = [request for request, _ in sent]
+        sent.clear()
+        for position, request in enumerate(queued):
+            try:
+                self._post(request)
+            except Exception as error:
+                sent.extend((later, error) for later in queued[position:])
+                return
+
+    def _ahead(self, request: tuple[str, Any], done: Callable[[Reply], Any]) -> Result:
+        """Send ``request`` ahead; what waits for its reply and gives ``done(reply)``."""
+        self._post(request)
+
+        def result(bell: int | None) -> Any:
+            reply = self._take(bell)
+            return reply if reply is NOT_YET else done(reply)
+
+        return result
+
+    def stage(self, name: str) -> Ahead:
+        """Stage function ``name`` (``"fetch"``, ``"preprocess"``, ``"call"``), which its
+        stage's threads send ahead (:mod:`torch_spdl.pipeline.ahead`)."""
+        return Ahead(getattr(self, name), getattr(self, f"send_{name}"))
+
+    def _receive(self, worker: _Worker, bell: int | None = None) -> Any:
+        """The worker's reply; RuntimeError if it dies first or the pool is closed meanwhile;
+        :data:`NOT_YET` if ``bell`` (a file descriptor) turns readable first."""
         self._check_open()  # a thread starting late, after the pipeline stopped
         wake = self._processes.wake
-        ready = connection.wait([worker.conn, worker.process.sentinel, wake])
+        waits: list[Any] = [worker.conn, worker.process.sentinel, wake]
+        ready = connection.wait(waits if bell is None else [*waits, bell])
         if worker.conn in ready:
             try:
                 return worker.conn.recv()
@@ -541,6 +615,8 @@ class ProcessPool:
                 raise
         if wake in ready:
             self._check_open()
+        if worker.process.sentinel not in ready and bell in ready:
+            return NOT_YET
         raise worker.died()
 
     def _pin(self, data: Any) -> Any:
@@ -561,7 +637,17 @@ class ProcessPool:
         """The ``fetch`` stage: the worker (this thread's, if None) reads and collates the batch;
         pinned here. A state the worker sends with it goes to ``keep``."""
         task.current = task.index  # what an error here (a dead worker) is about
-        status, payload = self._exchange((RUN, task.index), worker)
+        return self._fetched(task, self._exchange((RUN, task.index), worker), keep)
+
+    def send_fetch(self, task: FetchTask) -> Result:
+        """:meth:`fetch`, sent ahead."""
+        task.current = task.index
+        return self._ahead((RUN, task.index), functools.partial(self._fetched, task))
+
+    def _fetched(
+        self, task: FetchTask, reply: Reply, keep: Callable[[Any], None] | None = None
+    ) -> Any:
+        status, payload = reply
         payload = _kept(payload, keep)
         if status == ERROR:
             return Failure(payload, task, "fetch")
@@ -586,18 +672,35 @@ class ProcessPool:
 
     def call(self, value: Any) -> Any:
         """An ``OpJob``'s stage: this thread's worker applies the op to ``value``."""
-        status, payload = self._exchange((RUN, value))
-        if status == ERROR:
-            return Failure(payload, value, self.job.stage)
-        return payload
+        return self._called(value, self._exchange((RUN, value)))
+
+    def send_call(self, value: Any) -> Result:
+        """:meth:`call`, sent ahead."""
+        return self._ahead((RUN, value), functools.partial(self._called, value))
+
+    def _called(self, value: Any, reply: Reply) -> Any:
+        status, payload = reply
+        return Failure(payload, value, self.job.stage) if status == ERROR else payload
 
     def preprocess(self, task: SampleTask) -> SampleTask | Failure:
         """The ``preprocess`` stage: ``task.value`` (what ``load`` returned) goes to the worker."""
-        if task.size:
-            status, payload = self._exchange((RUN, (task.index, task.value)))
-            if status == ERROR:
-                return Failure(payload, task, "preprocess")
-            task.value = payload
+        if not task.size:
+            return task
+        return self._preprocessed(task, self._exchange((RUN, (task.index, task.value))))
+
+    def send_preprocess(self, task: SampleTask) -> Result | None:
+        """:meth:`preprocess`, sent ahead; None for a task with no sample, which needs no
+        worker."""
+        if not task.size:
+            return None
+        request = (RUN, (task.index, task.value))
+        return self._ahead(request, functools.partial(self._preprocessed, task))
+
+    def _preprocessed(self, task: SampleTask, reply: Reply) -> SampleTask | Failure:
+        status, payload = reply
+        if status == ERROR:
+            return Failure(payload, task, "preprocess")
+        task.value = payload
         return task
 
     def batches(
@@ -626,6 +729,18 @@ class ProcessPool:
                 return
             payload = _kept(payload, keep)
             yield Failure(payload) if status == ERROR else self._pin(payload)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A pool's stage function and its ``send_ahead``
+    (:class:`~torch_spdl.pipeline.ahead.SendsAhead`)."""
+
+    run: Callable[[Any], Any]
+    send_ahead: Callable[[Any], Result | None]
+
+    def __call__(self, value: Any) -> Any:
+        return self.run(value)
 
 
 def _kept(payload: Any, keep: Callable[[Any], None] | None) -> Any:

@@ -40,6 +40,7 @@ from . import server_up
 from .auto import INLINE, PROCESS, THREAD, Decision, Trial
 from .inherited import in_thread
 from .pipeline import Gate
+from .pipeline.ahead import Result
 from .processes import PoolStarter, ProcessPool
 
 
@@ -120,6 +121,15 @@ class Switch:
         finally:
             if trial.ready():
                 self._decide(trial)
+
+    def send_ahead(self, task: Any) -> Result | None:
+        """The task sent to this thread's worker process, once the stage runs there
+        (:mod:`torch_spdl.pipeline.ahead`); None on the other routes, where :meth:`__call__`
+        runs it."""
+        if self.route != PROCESS:
+            return None
+        send: Callable[[Any], Result | None] = getattr(self._bound_pool(), f"send_{self._remote}")
+        return send(task)
 
     def _decide(self, trial: Trial) -> None:
         with self._lock:
@@ -238,12 +248,16 @@ class Switch:
         self._keep(self.decision)
 
     def _in_process(self, task: Any) -> Any:
+        return getattr(self._bound_pool(), self._remote)(task)
+
+    def _bound_pool(self) -> ProcessPool:
+        """The worker processes, this thread bound to its own on its first task there."""
         pool = self._pool
         assert pool is not None
         if not self._ids.bound:
             pool.start(self._ids.worker)
             self._ids.bound = True
-        return getattr(pool, self._remote)(task)
+        return pool
 
     def take_pool(self) -> ProcessPool | None:
         """The worker processes a stage that ``hands_over`` started, once they are up (None

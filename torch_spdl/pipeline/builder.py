@@ -285,7 +285,7 @@ def _stage(pipe: Pipe, pools: list[Any], worker_nice: int) -> Stage:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         pool = ProcessPool(OpJob(fn, pipe.name), pipe.concurrency, base_seed=seed, nice=worker_nice)
         pools.append(pool)
-        fn, on_start = pool.call, pool.start
+        fn, on_start = pool.stage("call"), pool.start
     elif isinstance(pipe.executor, concurrent.futures.Executor):
         fn = functools.partial(_submit, pipe.executor, fn)
     return Stage(
