@@ -229,19 +229,37 @@ class DiesAt(Dataset):
 
 
 class Pids(Dataset):
-    """The pid of the process that read each item. With ``meet``, every item waits until the
-    other worker is at the same point, so both workers read every epoch, four items each."""
+    """The pid of the process that read each item. With ``meet``, a worker's first item of each
+    pass waits until the other worker has come to its own, so both workers read every pass
+    (read with ``sampler=Passes()``, whose indices say the pass). Not every item: a worker may
+    have the pass's last two tasks queued while the other has none left to meet it with."""
 
     def __init__(self, meet: bool = True):
         self.met = CONTEXT.Barrier(2) if meet else None
+        self.met_in = -1  # per worker process (each has its own copy): the pass it last met in
 
     def __len__(self):
         return 8
 
     def __getitem__(self, index):
-        if self.met is not None:
+        if self.met is not None and index // 8 != self.met_in:
+            self.met_in = index // 8
             self.met.wait(10)
         return os.getpid()
+
+
+class Passes(torch.utils.data.Sampler):
+    """Indices 0-7 in the first pass, 8-15 in the second, and so on: a Pids item knows its pass."""
+
+    def __init__(self):
+        self.passes = 0
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        start, self.passes = 8 * self.passes, self.passes + 1
+        return iter(range(start, start + 8))
 
 
 class Made(Dataset):
@@ -522,7 +540,7 @@ def big_batch(sample):
 
 
 def test_persistent_workers_keep_their_processes_across_epochs():
-    loader = ours(Pids(), batch_size=2, num_workers=2, persistent_workers=True)
+    loader = ours(Pids(), sampler=Passes(), batch_size=2, num_workers=2, persistent_workers=True)
     first = {pid for batch in loader for pid in batch.tolist()}
     assert len(multiprocessing.active_children()) == 2  # alive between epochs
     second = {pid for batch in loader for pid in batch.tolist()}
@@ -890,7 +908,7 @@ def test_a_killed_worker_raises_instead_of_hanging():
 
 
 def test_workers_killed_between_epochs_fail_the_next_one():
-    loader = ours(Pids(), batch_size=1, num_workers=2, persistent_workers=True)
+    loader = ours(Pids(), sampler=Passes(), batch_size=1, num_workers=2, persistent_workers=True)
     for pid in {batch.item() for batch in loader}:
         os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match=r"exited unexpectedly with exit code -9"):
