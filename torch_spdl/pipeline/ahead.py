@@ -28,8 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from .channel import Channel, Closed, Doorbell, Stopped, StopSignal
 from .items import Failure, is_control
-from .stages import Runtime, Stage, run_on_start
-from .stats import StageStats, WorkerRecord, call_timed
+from .stages import Runtime, Stage, put_counted, run_on_start, run_timed
+from .stats import StageStats, WorkerRecord
 
 AHEAD = 2
 """Tasks a thread keeps sent: one being worked on and one queued behind it, which is all that
@@ -107,7 +107,7 @@ class _Flight:
         return upstream.get()
 
     def send(self, seq: int, value: Any) -> bool:
-        """Send the task for ``value``; False where it is to run here, by :meth:`run`."""
+        """Send the task for ``value``; False where it is to run here (``run_timed``)."""
         clock = time.thread_time if self.record.samples_cpu() else None
         start, cpu = time.perf_counter(), clock() if clock else 0.0
         failed = False
@@ -159,13 +159,6 @@ class _Flight:
         done = [self._finish(None) for _ in range(len(self.sent))]
         return [item for item in done if item is not None]  # none is: nothing interrupts them
 
-    def run(self, value: Any) -> Any:
-        """The task for ``value`` run here, as :func:`~.stages.map_loop` runs it."""
-        try:
-            return call_timed(self.record, self.stage.fn, value)
-        except BaseException:  # SystemExit too: it fails the item, not the thread
-            return self._failure(value)
-
     def _failure(self, value: Any) -> Failure:
         """The exception being handled, as ``value``'s Failure."""
         return Failure.capture(self.stage.where(value, self.worker), value, self.stage.name)
@@ -188,21 +181,17 @@ def ahead_loop(
             if item is None:
                 done = flight.finish(upstream)
                 if done is not None:
-                    _put(out, record, done)
+                    put_counted(out, record, done)
                 continue
             seq, value = item
             if not is_control(value) and flight.send(seq, value):
                 continue
             for done in flight.drain():
-                _put(out, record, done)
-            _put(out, record, item if is_control(value) else (seq, flight.run(value)))
+                put_counted(out, record, done)
+            if not is_control(value):
+                item = seq, run_timed(stage, worker, record, value)
+            put_counted(out, record, item)
     except (Closed, Stopped):
         pass  # what is still in flight goes with the pipeline, whose stop closes the workers
     finally:
         out.close()
-
-
-def _put(out: Channel, record: WorkerRecord, item: Item) -> None:
-    if record.samples_cpu():  # one item in 8, as map_loop reads it
-        record.filled(len(out))
-    out.put(item)

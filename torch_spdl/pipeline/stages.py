@@ -145,24 +145,35 @@ def map_loop(
     try:
         if not run_on_start(stage, worker, runtime):
             return
-        fn, record, gate = stage.fn, stats.record(worker), stage.gate
+        record, gate = stats.record(worker), stage.gate
         record.thread = threading.get_ident()
         while True:
             if gate is not None:
                 gate.wait(worker, runtime.stop)
             seq, value = upstream.get()
             if not is_control(value):
-                try:
-                    value = call_timed(record, fn, value)
-                except BaseException:  # SystemExit too: it fails the item, not the thread
-                    value = Failure.capture(stage.where(value, worker), value, stage.name)
-            if record.samples_cpu():  # one item in 8 here too: the fill is a mean anyway
-                record.filled(len(out))
-            out.put((seq, value))
+                value = run_timed(stage, worker, record, value)
+            put_counted(out, record, (seq, value))
     except (Closed, Stopped):
         pass
     finally:
         out.close()
+
+
+def run_timed(stage: Stage, worker: int, record: WorkerRecord, value: Any) -> Any:
+    """``stage.fn(value)``, timed in ``record``; an exception fails the item in its place."""
+    try:
+        return call_timed(record, stage.fn, value)
+    except BaseException:  # SystemExit too: it fails the item, not the thread
+        return Failure.capture(stage.where(value, worker), value, stage.name)
+
+
+def put_counted(out: Channel, record: WorkerRecord, item: Item) -> None:
+    """Put ``item`` on ``out``, reading the channel's fill for ``record`` first, one item in
+    8 (the fill is a mean anyway)."""
+    if record.samples_cpu():
+        record.filled(len(out))
+    out.put(item)
 
 
 def stream_loop(
