@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check that issues 16 and 18 ask for, in one run of at most 9½ minutes (about 7½ when
-# nothing hangs; with GPU_HOST_EXTRA=1 about 10, past one device call's limit) on a lent GPU host
-# (one H100 or H200, 16 cores), since such a host is lent for 15 minutes a task at most.
+# nothing hangs; the extra steps, GPU_HOST_EXTRA=only, about 4 more, in a second call where
+# the device time allows) on a lent GPU host (one H100 or H200, 16 cores), since such a host is
+# lent for 15 minutes a task at most.
 #
 # Each step has a time limit of its own, so a step that hangs costs only its limit; each writes
 # its log to $OUT/<step>.log, and $OUT/summary.txt says what ran where, each step's exit status
@@ -28,7 +29,8 @@
 #                    issued from its own thread and from a second one (benchmarks/gpu_budget.py;
 #                    gpu_pass_probe.py, which found the first-batch and fork-server costs that
 #                    are fixed now, runs by hand)
-# With GPU_HOST_EXTRA=1 (server_start measured the same on the H100s and the H200 of 2026-11-23
+# With GPU_HOST_EXTRA=1, after the steps above, or GPU_HOST_EXTRA=only, after data alone (a
+# second device call; server_start measured the same on the H100s and the H200 of 2026-11-23
 # to 27, docs/performance.md; they make room for bench_A's second pass):
 #   6. worker_start  each pass's start of 15 worker processes, torch's forked from the main
 #                    process against ours from the fork server, beside D's training step: the
@@ -40,6 +42,11 @@
 #   8. threads_or_processes  on 15 workers, threads against processes where the GIL binds a
 #                    little or not at all (tensor ops, a torch and a NumPy matmul per sample),
 #                    and what "auto" chose (benchmarks/threads_or_processes.py)
+#   9. worker_wait   whether worker processes wait between batches, torch's against ours, at 1,
+#                    8 and 16 workers of a persistent loader beside a 5 ms training step: images/s,
+#                    the workers' busy fraction, main-process CPU per image; on 2 cores one worker
+#                    of ours went from 0.92-0.95 busy to 1.01 once its next task was sent ahead
+#                    (benchmarks/worker_wait.py; a driving thread per worker in the main process)
 # benchmarks/gpu_transfer.py (the transfer stage's bandwidth, measured the same on every host),
 # gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
 # H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
@@ -78,7 +85,7 @@ fi
 } > "$summary" 2>&1
 
 finish() { # the device returns at most 8 files: the short logs go into the summary
-    for name in data worker_start server_start threads_or_processes; do
+    for name in data worker_start server_start threads_or_processes worker_wait; do
         [ -f "$OUT/$name.log" ] || continue
         { echo; echo "== $name.log"; cat "$OUT/$name.log"; } >> "$summary" && rm "$OUT/$name.log"
     done
@@ -95,6 +102,7 @@ step() { # step NAME SECONDS COMMAND...: run it under its limit, log it, note rc
 
 step data 40 $PY -c "import torch_spdl.bench.data as d
 print(d.synthetic_imagefolder(d.ImageSpec($IMAGES)))"
+if [ "${GPU_HOST_EXTRA:-0}" != only ]; then
 step cuda_tests 45 $PY -m pytest -m cuda -q -rs -p no:cacheprovider \
     tests/test_transfer.py tests/test_pin_memory.py tests/test_io.py
 # two passes of warm-up: "auto"'s trial and the fork server's start happen once a job, and the
@@ -109,7 +117,8 @@ step train_e2e_persistent 175 $PY benchmarks/train_e2e.py --images "$IMAGES" --r
 step bench_A 135 $PY -m torch_spdl.bench --workloads A --images "$IMAGES" --rounds 1 \
     --batches 8 --warmup 8 --no-analysis --out /tmp/gpu_host_bench
 step gpu_budget 35 $PY benchmarks/gpu_budget.py --images "$IMAGES" --steps 20
-[ "${GPU_HOST_EXTRA:-0}" = 1 ] || { finish; exit; }
+fi
+[ "${GPU_HOST_EXTRA:-0}" = 0 ] && { finish; exit; }
 step worker_start 60 $PY benchmarks/worker_start.py --workers 15 --rounds 4 --images "$IMAGES"
 step server_start 20 $PY -c "import multiprocessing, subprocess, sys, time
 wanted = ['torch', 'torchvision', 'torch_spdl.processes']
@@ -131,4 +140,5 @@ worker.join()
 print(f'fork server up and its first worker done: {time.perf_counter() - began:.2f} s')"
 step threads_or_processes 90 $PY benchmarks/threads_or_processes.py --workers 15 --rounds 1 \
     --images "$IMAGES" --workloads tensor,matmul,numpy
+step worker_wait 90 $PY benchmarks/worker_wait.py --rounds 1 --workers 1,8,16 --batches 100
 finish
