@@ -26,6 +26,7 @@ class Remote:
 
     def __init__(self, hold: dict | None = None, fails_to_send=(), fails_to_answer=(), here=()):
         self.ours, self.theirs = connection.Pipe()
+        self.shut_down = False  # what a pool closed by the pipeline's stop is: see shut_down_now
         self.hold = hold or {}
         self.fails_to_send, self.fails_to_answer, self.here = fails_to_send, fails_to_answer, here
         self.lock = threading.Condition()
@@ -40,14 +41,17 @@ class Remote:
         while True:
             try:
                 request = self.theirs.recv()
-            except EOFError:
+            except (EOFError, ConnectionResetError):  # closed, with replies left unread
                 return
             until = self.hold.get(request)
             if until is not None:
                 with self.lock:
                     if not self.lock.wait_for(functools.partial(until, self), WAIT):
                         self.held_too_long.append(request)
-            self.theirs.send(request * 10)
+            try:
+                self.theirs.send(request * 10)
+            except (BrokenPipeError, ConnectionResetError):
+                return
 
     def __call__(self, x):
         return ("here", x)
@@ -70,11 +74,19 @@ class Remote:
             value = self.ours.recv()
             with self.lock:
                 self.taken += 1
+            if self.shut_down:
+                raise RuntimeError("the worker has been shut down")
             if x in self.fails_to_answer:
                 raise KeyError(f"no answer for {x}")
             return value
 
         return result
+
+    def shut_down_now(self) -> None:
+        """As the pipeline's stop closes a worker pool: a result waited for raises."""
+        with self.lock:
+            self.shut_down = True
+            self.lock.notify_all()
 
     def close(self) -> None:
         self.ours.close()
@@ -157,6 +169,23 @@ def test_every_epoch_of_a_persistent_pipeline_gets_every_result_once():
     finally:
         pipeline.close()
         remote.close()
+
+
+def test_a_result_the_pipelines_stop_cuts_off_is_not_counted_as_failed():
+    # task 1 is answered only once the pipeline stops, whose stop shuts the worker down under
+    # the thread that waits for it: the task did not fail, the pass was abandoned
+    remote = Remote(hold={1: lambda r: r.shut_down})
+    source = SharedSource(range(10), max_in_flight=3, quick=True)
+    pipeline = Pipeline(source, [Stage("remote", remote, concurrency=1)])
+    pipeline.on_stop(remote.shut_down_now)
+    try:
+        assert next(pipeline) == 0
+    finally:
+        pipeline.close()
+        remote.close()
+    (report,) = pipeline.stats()
+    assert remote.taken >= 2  # task 1's result was waited for, and raised
+    assert (report.done, report.failures) == (1, 0)
 
 
 # -- the inputs' side -----------------------------------------------------------------------------

@@ -246,3 +246,26 @@ def _eventually(predicate, within: float = 5.0) -> bool:
             return True
         time.sleep(0.005)
     return predicate()
+
+
+def test_a_task_the_pipelines_stop_cuts_off_is_not_counted_as_failed():
+    # item 1's function waits for the pipeline's stop and then raises, as a call into a worker
+    # process does when the stop shuts the process down: an abandoned pass, not a failure
+    stopped, started = threading.Event(), threading.Event()
+
+    def cut_off_at_one(x):
+        if x == 1:
+            started.set()
+            assert stopped.wait(10)
+            raise RuntimeError("the worker has been shut down")
+        return x
+
+    pipe = Pipeline(range(4), [Stage("cut", cut_off_at_one, concurrency=1)], buffer_size=1)
+    pipe.on_stop(stopped.set)
+    try:
+        assert next(pipe) == 0
+        assert started.wait(10)
+    finally:
+        pipe.close()
+    (report,) = pipe.stats()
+    assert (report.done, report.failures) == (1, 0)

@@ -965,6 +965,20 @@ def test_a_worker_stuck_in_user_code_is_killed_on_shutdown(monkeypatch):
     del it  # the stuck worker outlives SIGTERM: it gets SIGKILL
 
 
+def test_a_pass_abandoned_while_a_worker_is_on_a_batch_counts_no_failure(monkeypatch):
+    """Closing the iterator shuts the workers down under the thread that waits for index 3's
+    batch: that batch was abandoned, not failed, and ``stats()`` says no batch failed."""
+    monkeypatch.setattr(processes, "SHUTDOWN_GRACE", 0.2)
+    never = CONTEXT.Event()
+    loader = ours(WaitsAt(never), batch_size=1, num_workers=2)
+    it = iter(loader)
+    assert [next(it).item() for _ in range(3)] == [0, 1, 2]
+    it.close()
+    (fetch,) = loader.stats().stages
+    assert (fetch.name, fetch.failures) == ("fetch", 0)
+    assert fetch.done >= 3
+
+
 PICKLING_ERRORS = (AttributeError, TypeError, pickle.PicklingError)
 CANNOT_PICKLE = "Can't pickle|Can't get local object"  # Python 3.13 says the latter
 

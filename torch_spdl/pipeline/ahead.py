@@ -87,15 +87,16 @@ class _Flight:
     """One thread's tasks in flight, oldest first, and the time each result adds to its record.
 
     A result's time runs from its send, or from the previous result if that came later: the
-    thread's time on it, so two tasks in flight do not count the same seconds twice."""
+    thread's time on it, so two tasks in flight do not count the same seconds twice. A result
+    that ``stop`` cut off (its worker shut down under it) is not counted: see ``call_timed``."""
 
-    def __init__(self, stage: Stage, worker: int, record: WorkerRecord) -> None:
-        self.stage, self.worker, self.record = stage, worker, record
+    def __init__(self, stage: Stage, worker: int, record: WorkerRecord, stop: StopSignal) -> None:
+        self.stage, self.worker, self.record, self.stop = stage, worker, record, stop
         self.sent: deque[_Sent] = deque()
         self.last = 0.0  # when the last result came back
         self.bell: Doorbell | None = None  # rung by the input while a wait listens
 
-    def take(self, upstream: Polled, stop: StopSignal) -> Item | None:
+    def take(self, upstream: Polled) -> Item | None:
         """The next task to send, or None where the oldest result is to be taken first: the
         thread has as many in flight as it keeps, or no task can be taken without waiting."""
         if len(self.sent) >= AHEAD:
@@ -103,7 +104,7 @@ class _Flight:
         if self.sent:
             return upstream.poll()
         if self.stage.gate is not None:  # a thread in flight was let through: widths only grow
-            self.stage.gate.wait(self.worker, stop)
+            self.stage.gate.wait(self.worker, self.stop)
         return upstream.get()
 
     def send(self, seq: int, value: Any) -> bool:
@@ -151,7 +152,8 @@ class _Flight:
         self.sent.popleft()
         self.last = time.perf_counter()
         used = None if task.cpu is None else task.cpu + time.thread_time() - cpu
-        record.add(self.last - start, used, failed)
+        if not (failed and self.stop.is_set()):
+            record.add(self.last - start, used, failed)
         return task.seq, value
 
     def drain(self) -> list[Item]:
@@ -175,9 +177,9 @@ def ahead_loop(
             return
         record = stats.record(worker)
         record.thread = threading.get_ident()
-        flight = _Flight(stage, worker, record)
+        flight = _Flight(stage, worker, record, runtime.stop)
         while True:
-            item = flight.take(upstream, runtime.stop)
+            item = flight.take(upstream)
             if item is None:
                 done = flight.finish(upstream)
                 if done is not None:
@@ -189,7 +191,7 @@ def ahead_loop(
             for done in flight.drain():
                 put_counted(out, record, done)
             if not is_control(value):
-                item = seq, run_timed(stage, worker, record, value)
+                item = seq, run_timed(stage, worker, record, value, runtime.stop)
             put_counted(out, record, item)
     except (Closed, Stopped):
         pass  # what is still in flight goes with the pipeline, whose stop closes the workers

@@ -152,7 +152,7 @@ def map_loop(
                 gate.wait(worker, runtime.stop)
             seq, value = upstream.get()
             if not is_control(value):
-                value = run_timed(stage, worker, record, value)
+                value = run_timed(stage, worker, record, value, runtime.stop)
             put_counted(out, record, (seq, value))
     except (Closed, Stopped):
         pass
@@ -160,10 +160,11 @@ def map_loop(
         out.close()
 
 
-def run_timed(stage: Stage, worker: int, record: WorkerRecord, value: Any) -> Any:
-    """``stage.fn(value)``, timed in ``record``; an exception fails the item in its place."""
+def run_timed(stage: Stage, worker: int, record: WorkerRecord, value: Any, stop: StopSignal) -> Any:
+    """``stage.fn(value)``, timed in ``record``; an exception fails the item in its place (and
+    is not counted where ``stop`` cut the task off, as a cancelled coroutine is not)."""
     try:
-        return call_timed(record, stage.fn, value)
+        return call_timed(record, stage.fn, value, stop.is_set)
     except BaseException:  # SystemExit too: it fails the item, not the thread
         return Failure.capture(stage.where(value, worker), value, stage.name)
 

@@ -198,9 +198,15 @@ def _percentile(ordered: list[float], q: float) -> float:
     return statistics.quantiles(ordered, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def call_timed(record: WorkerRecord, fn: Callable[[Any], Any], value: Any) -> Any:
+def call_timed(
+    record: WorkerRecord,
+    fn: Callable[[Any], Any],
+    value: Any,
+    stopping: Callable[[], bool] = lambda: False,
+) -> Any:
     """``fn(value)``, with its wall (and, sampled, CPU) time added to ``record``; a task that
-    raises counts as failed."""
+    raises counts as failed, unless ``stopping()``: the pipeline's stop cut it off (a worker
+    process shut down under it), which is no failure of the task's, and it is not counted."""
     clock = None if record.done % CPU_EVERY else time.thread_time
     start, cpu = time.perf_counter(), clock() if clock else 0.0
     record.started, record.current = start, value
@@ -210,5 +216,6 @@ def call_timed(record: WorkerRecord, fn: Callable[[Any], Any], value: Any) -> An
         failed = False
     finally:
         record.current = None
-        record.add(time.perf_counter() - start, clock() - cpu if clock else None, failed)
+        if not (failed and stopping()):
+            record.add(time.perf_counter() - start, clock() - cpu if clock else None, failed)
     return result
