@@ -31,6 +31,12 @@ ops that release the GIL); ``torch_spdl:gpu-decode`` (the same with ``decode_on=
 decoded, cropped and flipped on the GPU in the transfer stage); ``torch_spdl:gpu-decode-hw``
 (an experiment: the same with nvImageCodec's hardware JPEG decoder, which needs
 ``nvidia-nvimgcodec-cu13``; put it last, as it changes the decoder for the loaders after it).
+``torch_spdl:gpu-decode-workers`` (an experiment: each worker process decodes and crops its own
+batch on the GPU, whose CUDA tensor reaches the main process through CUDA IPC, so that nvJPEG's
+host side and the crops' Python leave the main process and its GIL; without a GPU the same path
+runs on the CPU, ``decode_on="cpu"``) and ``torch_spdl:gpu-decode-workers-hw`` (the same with
+nvImageCodec's hardware decoder in each worker, whose torch calls per image are then the
+worker's, not the training loop's).
 A torch_spdl loader's name may end with ``@nice=N``: its worker processes run ``worker_nice=N``
 (``torch_spdl:fast@nice=0`` against ``torch_spdl:fast``: the workers at the training loop's
 priority against 10 below it).
@@ -58,6 +64,7 @@ from torch_spdl.bench.images import FastImages, collate
 from torch_spdl.io import RandomResizedCrop, device_decode
 
 GPU, GPU_HW = "torch_spdl:gpu-decode", "torch_spdl:gpu-decode-hw"
+IN_WORKERS, IN_WORKERS_HW = "torch_spdl:gpu-decode-workers", "torch_spdl:gpu-decode-workers-hw"
 FAST = ("torch_spdl:fast", GPU, GPU_HW)
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
 STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -150,6 +157,15 @@ def loader_batches(
         common["worker_nice"] = int(nice)
     if kind == "torch":
         loader: Any = torch.utils.data.DataLoader(folder, pin_memory=cuda, **common)
+    elif kind in (IN_WORKERS, IN_WORKERS_HW):
+        transform = RandomResizedCrop(224, decode_on="cuda" if cuda else "cpu")
+        loader = torch_spdl.DataLoader(
+            FastImages(folder.samples, transform),
+            collate_fn=DecodedHere(hardware=kind == IN_WORKERS_HW),
+            io_workers=4,
+            worker_method="process",
+            **common,
+        )  # no device=: the batches arrive on it, and a CUDA tensor is not pinned
     elif kind in FAST:
         if kind == GPU_HW:
             use_hardware_decoder()
@@ -169,6 +185,25 @@ def loader_batches(
     finally:  # closed after its timed steps: where a torch_spdl loader's stages stood
         if args.stats and isinstance(loader, torch_spdl.DataLoader):
             say(f"{name}: loader.stats() after its last batch\n{loader.stats()}")
+
+
+class DecodedHere:
+    """A worker process's ``collate_fn`` for the ``gpu-decode-workers`` experiments: the batch
+    collated, then decoded and cropped where it is (on the worker's GPU, in the worker), so that
+    it leaves as a decoded tensor rather than as encoded bytes for the main process to decode.
+    ``hardware``: nvImageCodec's hardware decoder, installed in each worker at its first batch."""
+
+    def __init__(self, hardware: bool) -> None:
+        self.hardware = hardware
+
+    def __call__(self, samples: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hardware and not getattr(device_decode, "hardware_installed", False):
+            use_hardware_decoder()
+            device_decode.hardware_installed = True  # type: ignore[attr-defined]
+        images, labels = collate(samples)
+        if isinstance(images, device_decode.EncodedBatch):  # the CPU's pixels where no GPU is
+            images = images.decode()
+        return images, labels
 
 
 def use_hardware_decoder() -> None:
