@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check that issues 16 and 18 ask for, in one run of at most 9½ minutes (about 7½ when
-# nothing hangs; the extra steps, GPU_HOST_EXTRA=only, about 4 more, in a second call where
+# nothing hangs; the extra steps, GPU_HOST_EXTRA=only, about 6 more, in a second call where
 # the device time allows) on a lent GPU host (one H100 or H200, 16 cores), since such a host is
 # lent for 15 minutes a task at most.
 #
@@ -47,6 +47,10 @@
 #                    the workers' busy fraction, main-process CPU per image; on 2 cores one worker
 #                    of ours went from 0.92-0.95 busy to 1.01 once its next task was sent ahead
 #                    (benchmarks/worker_wait.py; a driving thread per worker in the main process)
+#  10. train_e2e_workers  the GPU decode in the transfer stage against the same decode done by
+#                    each worker process on its own batch (nvJPEG, and nvImageCodec's hardware
+#                    decoder), the decoded batch crossing by CUDA IPC: whether the main process's
+#                    one transfer thread is what kept the GPU decode path at 54-67 % of the model
 # benchmarks/gpu_transfer.py (the transfer stage's bandwidth, measured the same on every host),
 # gpu_decoders.py (nvJPEG against nvImageCodec) and gpu_decode_steps.py ran on two
 # H100s and an H200 (docs/performance.md); run them by hand where a new GPU asks for it.
@@ -141,4 +145,7 @@ print(f'fork server up and its first worker done: {time.perf_counter() - began:.
 step threads_or_processes 90 $PY benchmarks/threads_or_processes.py --workers 15 --rounds 1 \
     --images "$IMAGES" --workloads tensor,matmul,numpy
 step worker_wait 90 $PY benchmarks/worker_wait.py --rounds 1 --workers 1,8,16 --batches 100
+step train_e2e_workers 150 $PY benchmarks/train_e2e.py --images "$IMAGES" --repeat 4 \
+    --rounds 1 --steps 48 --warmup $((IMAGES / 32)) --persistent --stats --loaders \
+    torch_spdl:gpu-decode,torch_spdl:gpu-decode-workers,torch_spdl:gpu-decode-workers-hw
 finish

@@ -191,13 +191,15 @@ class DecodedHere:
     """A worker process's ``collate_fn`` for the ``gpu-decode-workers`` experiments: the batch
     collated, then decoded and cropped where it is (on the worker's GPU, in the worker), so that
     it leaves as a decoded tensor rather than as encoded bytes for the main process to decode.
-    ``hardware``: nvImageCodec's hardware decoder, installed in each worker at its first batch."""
+    ``hardware``: nvImageCodec's hardware decoder, installed in each worker at its first batch
+    (where there is a GPU: off one, both experiments run the CPU path)."""
 
     def __init__(self, hardware: bool) -> None:
         self.hardware = hardware
 
     def __call__(self, samples: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.hardware and not getattr(device_decode, "hardware_installed", False):
+        installed = getattr(device_decode, "hardware_installed", False)
+        if self.hardware and torch.cuda.is_available() and not installed:
             use_hardware_decoder()
             device_decode.hardware_installed = True  # type: ignore[attr-defined]
         images, labels = collate(samples)
