@@ -187,6 +187,9 @@ def loader_batches(
             say(f"{name}: loader.stats() after its last batch\n{loader.stats()}")
 
 
+_hardware_installed = False  # in this process: DecodedHere's worker installs it once
+
+
 class DecodedHere:
     """A worker process's ``collate_fn`` for the ``gpu-decode-workers`` experiments: the batch
     collated, then decoded and cropped where it is (on the worker's GPU, in the worker), so that
@@ -198,10 +201,10 @@ class DecodedHere:
         self.hardware = hardware
 
     def __call__(self, samples: list[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        installed = getattr(device_decode, "hardware_installed", False)
-        if self.hardware and torch.cuda.is_available() and not installed:
+        global _hardware_installed
+        if self.hardware and torch.cuda.is_available() and not _hardware_installed:
             use_hardware_decoder()
-            device_decode.hardware_installed = True  # type: ignore[attr-defined]
+            _hardware_installed = True
         images, labels = collate(samples)
         if isinstance(images, device_decode.EncodedBatch):  # the CPU's pixels where no GPU is
             images = images.decode()

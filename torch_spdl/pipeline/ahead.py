@@ -88,7 +88,7 @@ class _Flight:
 
     A result's time runs from its send, or from the previous result if that came later: the
     thread's time on it, so two tasks in flight do not count the same seconds twice. A result
-    that ``stop`` cut off (its worker shut down under it) is not counted: see ``call_timed``."""
+    that ``stop`` cut off is not counted (:meth:`~.stats.WorkerRecord.add`)."""
 
     def __init__(self, stage: Stage, worker: int, record: WorkerRecord, stop: StopSignal) -> None:
         self.stage, self.worker, self.record, self.stop = stage, worker, record, stop
@@ -152,8 +152,7 @@ class _Flight:
         self.sent.popleft()
         self.last = time.perf_counter()
         used = None if task.cpu is None else task.cpu + time.thread_time() - cpu
-        if not (failed and self.stop.is_set()):
-            record.add(self.last - start, used, failed)
+        record.add(self.last - start, used, failed, self.stop.is_set())
         return task.seq, value
 
     def drain(self) -> list[Item]:

@@ -162,7 +162,7 @@ def map_loop(
 
 def run_timed(stage: Stage, worker: int, record: WorkerRecord, value: Any, stop: StopSignal) -> Any:
     """``stage.fn(value)``, timed in ``record``; an exception fails the item in its place (and
-    is not counted where ``stop`` cut the task off, as a cancelled coroutine is not)."""
+    is not counted where ``stop`` cut the task off: :meth:`~.stats.WorkerRecord.add`)."""
     try:
         return call_timed(record, stage.fn, value, stop.is_set)
     except BaseException:  # SystemExit too: it fails the item, not the thread

@@ -59,8 +59,13 @@ class WorkerRecord:
         """Whether the next task's CPU time should be read."""
         return self.done % CPU_EVERY == 0
 
-    def add(self, seconds: float, cpu: float | None, failed: bool) -> None:
-        """One task: wall ``seconds``, and its CPU seconds if they were read."""
+    def add(self, seconds: float, cpu: float | None, failed: bool, stopped: bool = False) -> None:
+        """One task: wall ``seconds``, and its CPU seconds if they were read. A task that failed
+        once the pipeline's ``stopped`` is not counted: the stop cut it off (a worker process
+        shut down under it), which is no failure of the task's, as a cancelled coroutine's is
+        not."""
+        if failed and stopped:
+            return
         self.done += 1
         self.failed += failed
         self.busy += seconds
@@ -205,8 +210,7 @@ def call_timed(
     stopping: Callable[[], bool] = lambda: False,
 ) -> Any:
     """``fn(value)``, with its wall (and, sampled, CPU) time added to ``record``; a task that
-    raises counts as failed, unless ``stopping()``: the pipeline's stop cut it off (a worker
-    process shut down under it), which is no failure of the task's, and it is not counted."""
+    raises counts as failed, unless ``stopping()`` (:meth:`WorkerRecord.add`)."""
     clock = None if record.done % CPU_EVERY else time.thread_time
     start, cpu = time.perf_counter(), clock() if clock else 0.0
     record.started, record.current = start, value
@@ -216,6 +220,6 @@ def call_timed(
         failed = False
     finally:
         record.current = None
-        if not (failed and stopping()):
-            record.add(time.perf_counter() - start, clock() - cpu if clock else None, failed)
+        seconds, used = time.perf_counter() - start, clock() - cpu if clock else None
+        record.add(seconds, used, failed, failed and stopping())
     return result
