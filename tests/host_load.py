@@ -20,30 +20,12 @@ from typing import TypeVar
 
 import pytest
 
+from torch_spdl.steal import cpu_ticks, stolen_share
+
 T = TypeVar("T")
 
 MOST_STOLEN = 0.03  # of the machine's CPU time, while a measurement runs
 ATTEMPTS = 4
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """The machine's stolen and total CPU ticks so far (``/proc/stat``); None where unknown."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = stat.readline().split()
-    except OSError:
-        return None
-    if fields[:1] != ["cpu"] or len(fields) < 9:
-        return None
-    ticks = [int(field) for field in fields[1:9]]  # user .. steal (guest time is inside user)
-    return ticks[7], sum(ticks)
-
-
-def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
-    """The share of the CPU time between two readings that the hypervisor took (0 if unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
-        return 0.0
-    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def unstolen(measure: Callable[[], T], attempts: int = ATTEMPTS) -> T:
@@ -52,9 +34,9 @@ def unstolen(measure: Callable[[], T], attempts: int = ATTEMPTS) -> T:
     time."""
     share = 0.0
     for _ in range(attempts):
-        before = _cpu_ticks()
+        before = cpu_ticks()
         result = measure()
-        share = stolen_share(before, _cpu_ticks())
+        share = stolen_share(before, cpu_ticks())
         if share <= MOST_STOLEN:
             return result
     pytest.skip(

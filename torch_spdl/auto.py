@@ -43,12 +43,13 @@ on its threads as usual (and delivered as usual), then picks one of three execut
 
 A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
 ``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
-waiting). The wait for the GIL comes from a probe thread (:class:`Knocker`, as the
-``gilknocker`` tool measures GIL contention): it sleeps :data:`KNOCK_S` at a time and counts how
-late it got the GIL back, less its time in the run queue. Only its knocks made while the
-training loop waited for a batch count, so that the loop's own use of the GIL is not taken for
-the loader's. :class:`Trial` gathers the figures; :func:`decide` is the rule, pure, so it is
-tested on measured inputs.
+waiting); on a virtual machine, the CPU time its hypervisor took from under the host's running
+threads over the trial is counted as theirs (:mod:`torch_spdl.steal`). The wait for the GIL
+comes from a probe thread (:class:`Knocker`, as the ``gilknocker`` tool measures GIL
+contention): it sleeps :data:`KNOCK_S` at a time and counts how late it got the GIL back, less
+its time in the run queue. Only its knocks made while the training loop waited for a batch
+count, so that the loop's own use of the GIL is not taken for the loader's. :class:`Trial`
+gathers the figures; :func:`decide` is the rule, pure, so it is tested on measured inputs.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import steal
 
 STAGE_WAIT = 0.05  # share of a stage thread's time spent waiting for the GIL: processes have it
 # back, and the hand-offs' CPU with it (2 cores, CPU-bound: threads at 4-9 % lost 3-15 % of
@@ -150,6 +153,13 @@ class Tally:
         self.queue += end[2] - begin[2]
         self.count += 1
 
+    def unstolen(self, ratio: float) -> Tally:
+        """These spans with the CPU time the hypervisor took from under them counted as their
+        own: ``ratio`` seconds per second on a CPU (:func:`torch_spdl.steal.stolen_ratio`),
+        within the time they were not queued."""
+        cpu = min(self.cpu * (1.0 + ratio), max(self.cpu, self.wall - self.queue))
+        return dataclasses.replace(self, cpu=cpu)
+
     @property
     def waiting_s(self) -> float:
         """The time spent neither on a CPU nor waiting for one."""
@@ -179,6 +189,8 @@ class Measured:
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
     knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
     threads: int = 0  # the stage's threads, where the trial ran on fewer (``workers``) of them
+    stolen: float = 0.0  # the hypervisor's seconds per second the host's CPUs ran, over the
+    # window: counted in the threads' CPU time above (:meth:`Tally.unstolen`)
 
     @property
     def busy_cores(self) -> float:
@@ -285,8 +297,13 @@ class Measured:
             f"the GIL {self.consumer_wait:.0%} of its steps and for a core "
             f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
-            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}"
+            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}{self._stolen()}"
         )
+
+    def _stolen(self) -> str:
+        if self.stolen < 0.005:
+            return ""
+        return f"; the hypervisor took {self.stolen:.0%} more CPU time, counted as the threads'"
 
     def _workers(self) -> str:
         if self.threads > self.workers:
@@ -458,6 +475,7 @@ class Trial:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _began: float | None = None
     _process_cpu: float = 0.0
+    _ticks: steal.CpuTicks | None = None  # the host's CPU ticks as the window began
     _step_began: tuple[float, float, float] | None = None
     _first_step: float | None = None
     knocks: Tally = field(default_factory=Tally)
@@ -486,6 +504,7 @@ class Trial:
         """``fn(task)`` in a stage thread, measured."""
         with self._lock:
             if self._began is None:
+                self._ticks = steal.cpu_ticks()
                 self._process_cpu = time.process_time()
                 self._began = time.perf_counter()
             self.started += 1
@@ -565,19 +584,24 @@ class Trial:
         )
 
     def measured(self) -> Measured:
+        """The figures so far, with the CPU time the hypervisor took from the process's threads
+        counted as theirs (:mod:`torch_spdl.steal`; the probe's knocks are left as they are: a
+        GIL whose holder lost its CPU was not free)."""
         with self._lock:
             now = time.perf_counter()
             window = now - (self._began or now)
+            stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks())
             return Measured(
-                dataclasses.replace(self.stage),
-                dataclasses.replace(self.consumer),
+                self.stage.unstolen(stolen),
+                self.consumer.unstolen(stolen),
                 window,
-                time.process_time() - self._process_cpu,
+                (time.process_time() - self._process_cpu) * (1.0 + stolen),
                 self.workers,
                 self.tasks_per_batch,
                 now - (self._first_step or now),
                 dataclasses.replace(self.knocks),
                 self.threads,
+                stolen,
             )
 
 

@@ -1,0 +1,59 @@
+"""Steal time, counted as the threads' own CPU time in the trial of ``"auto"``."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from torch_spdl import auto, steal
+from torch_spdl.auto import PROCESS, THREAD, Tally, Trial, decide
+from torch_spdl.steal import CpuTicks
+
+
+def test_the_share_and_the_ratio_of_stolen_time_between_two_readings():
+    before = CpuTicks(running=1000, stolen=50, total=2000)
+    after = CpuTicks(running=1900, stolen=150, total=3000)  # 900 ran, 100 stolen, 1000 in all
+    assert steal.stolen_share(before, after) == pytest.approx(0.1)
+    assert steal.stolen_ratio(before, after) == pytest.approx(100 / 900)
+    for unknown in ((None, after), (before, None), (after, after)):
+        assert steal.stolen_share(*unknown) == 0.0 and steal.stolen_ratio(*unknown) == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_the_hosts_ticks_are_read_and_only_grow():
+    first = steal.cpu_ticks()
+    sum(range(2_000_000))  # a few ticks on a CPU
+    second = steal.cpu_ticks()
+    assert first is not None and second is not None
+    assert first.running + first.stolen <= first.total
+    assert all(b >= a for a, b in zip(first, second, strict=True)) and second.total > first.total
+
+
+def test_stolen_cpu_time_counts_as_the_spans_own_within_their_unqueued_time():
+    spans = Tally(wall=1.0, cpu=0.8, queue=0.1, count=4)
+    assert spans.unstolen(0.1).cpu == pytest.approx(0.88)
+    assert spans.unstolen(0.5).cpu == pytest.approx(0.9)  # never more than wall less queue
+    assert spans.unstolen(0.0) == spans
+    busy = Tally(wall=1.0, cpu=0.95, queue=0.1, count=1)  # timers' skew: never below cpu
+    assert busy.unstolen(0.2).cpu == pytest.approx(0.95)
+
+
+def test_a_trial_counts_what_the_hypervisor_took_as_its_threads_cpu_time(monkeypatch):
+    """Threads of work that frees the GIL, off their CPUs 9 % of their task time while the host
+    took a tenth of the time its CPUs ran (as measured on the 2-core machine: a stage of hashes
+    read as waiting for the GIL 9-45 %, and went to processes in 5 of 6 trials): the time was
+    the hypervisor's, and the stage stays on threads."""
+    ticks = iter([CpuTicks(1000, 0, 1000), CpuTicks(1900, 90, 2000)])  # 90 of 900: 10 %
+    monkeypatch.setattr(steal, "cpu_ticks", lambda: next(ticks))
+    trial = Trial(2)
+    assert trial.run(lambda task: task, 7) == 7  # the window begins, with the first reading
+    trial.stage = Tally(wall=1.0, cpu=0.87, queue=0.04, count=20)
+    trial.consumer = Tally(wall=0.1, cpu=0.001, queue=0.0, count=5)
+    figures = trial.measured()
+    assert figures.stolen == pytest.approx(0.1)
+    assert figures.stage.cpu == pytest.approx(0.957) and figures.stage_wait < auto.STAGE_WAIT
+    assert "the hypervisor took 10% more CPU time" in figures.describe()
+    assert decide(figures, cpus=2).executor == THREAD
+    as_read = auto.Measured(**{**figures.__dict__, "stage": trial.stage, "stolen": 0.0})
+    assert as_read.stage_wait >= auto.STAGE_WAIT and decide(as_read, cpus=2).executor == PROCESS
