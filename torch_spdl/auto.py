@@ -22,12 +22,7 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   default, so a loop waiting for its GPU is on a CPU, not waiting). Either counts only while the
   loader (the process, less the training loop's steps) keeps :data:`BUSY_CORES` cores busy, or
   would but for other programs (its threads' time in the run queue counts as busy): time off
-  the CPU in a loader that is mostly idle is I/O, which threads do well, unless the probe
-  finds the GIL taken (:data:`GIL_BUSY` of its time, or :data:`GIL_WAIT_S` a take). Then the
-  threads wait for a GIL whose holder is itself off its CPU: on a virtual machine, the
-  hypervisor takes a running thread's CPU from under it (steal time), which Linux counts as
-  neither its CPU time nor its run-queue time, and a GIL-bound loader reads as keeping a
-  fraction of a core busy.
+  the CPU in a loader that is mostly idle is I/O, which threads do well.
 - **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
   GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
   process costs about as much as the work.
@@ -358,10 +353,9 @@ def decide(
     cpus = cpus or cores()
     if not gil_enabled:
         return Decision(THREAD, "the GIL is off (free-threaded Python)", measured)
-    gil_busy = measured.gil_busy >= GIL_BUSY
-    gil_taken = gil_busy or measured.gil_wait_s >= GIL_WAIT_S
-    io = measured.wanted_cores < BUSY_CORES and not gil_taken
+    io = measured.wanted_cores < BUSY_CORES
     turns = measured.takes_turns and cpus >= 2
+    gil_busy = measured.gil_busy >= GIL_BUSY
     stage_bound = (measured.stage_wait >= STAGE_WAIT or turns or gil_busy) and not io
     slowed = (
         measured.consumer_wait >= CONSUMER_WAIT
