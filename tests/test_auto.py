@@ -1020,7 +1020,7 @@ def test_a_switch_in_completion_order_loses_and_repeats_nothing(
 
 
 def test_cheap_gil_bound_batches_run_inline_with_torchs_batches(no_leak):
-    """400,000 samples (about 2 s on 2 cores): the trial needs its 0.3 s, and most batches come
+    """400,000 samples (seconds on 2 cores): the trial needs its 0.3 s, and most batches come
     after it. torch's loader gives ``arange`` in batches of 64; its first batches are checked."""
     n = 400_003  # the last batch is short, as torch's is
     dataset = Indices(n)
