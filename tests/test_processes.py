@@ -1040,7 +1040,8 @@ def started_with(context, names):
     return got, child.exitcode
 
 
-UNUSED = ["wave", "tabnanny", "pyclbr"]  # imported by nothing the tests import
+# imported by nothing the tests import; not the standard library's, which is no reason to restart
+UNUSED = ["PIL.ImageMorph", "PIL.WalImageFile", "PIL.FontFile"]
 
 
 @pytest.mark.integration
@@ -1063,6 +1064,19 @@ def test_a_fork_server_lacking_a_pools_modules_restarts_with_both_lists_when_idl
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
     start_method.start_context(None, ["torch_spdl.hooks"])  # comes with torch_spdl: no restart
     assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+    start_method.start_context(None, ["wave"])  # the standard library's: no restart
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == server
+
+
+def test_the_standard_librarys_modules_are_no_reason_to_restart_the_fork_server():
+    """A dataset holding a ``random.Random``, a file or a lock names ``random``, ``_io`` or
+    ``_thread`` among its modules: a restart would cost seconds where a worker imports such a
+    module in milliseconds, if it has not already."""
+    standard = ["random", "_io", "_thread", "multiprocessing.synchronize", "os.path", "wave"]
+    assert not start_method._lacks([], standard)
+    assert start_method._lacks([], ["PIL.ImageMorph"])
+    assert start_method._lacks(["random"], ["random", "numpy"])
+    assert not start_method._lacks(["numpy"], ["random", "numpy"])
 
 
 def test_a_fork_server_with_a_live_child_is_kept_and_the_child_ends_well():

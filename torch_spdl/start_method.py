@@ -98,7 +98,9 @@ def _lacks(server: list[str], wanted: list[str]) -> bool:
     """Whether a server that preloaded ``server`` lacks some of ``wanted``. torch's modules and
     those ``import torch_spdl`` imports count as there: every server imports both (through this
     module), and a restart costs a new server's start-up, seconds, for nothing; so does
-    :data:`SERVER_MODULE`, which only makes a later restart's end clean."""
+    :data:`SERVER_MODULE`, which only makes a later restart's end clean. So do the standard
+    library's modules (a dataset holding a ``random.Random``, a file, a lock): most are imported
+    by then, and a worker imports any other in milliseconds."""
     from . import _PACKAGE_MODULES  # the package has finished importing by any start
 
     return any(
@@ -107,8 +109,14 @@ def _lacks(server: list[str], wanted: list[str]) -> bool:
         and name not in (SERVER_MODULE, WARM_MODULE)
         and name != "torch"
         and not name.startswith("torch.")
+        and not _in_standard_library(name)
         for name in wanted
     )
+
+
+def _in_standard_library(name: str) -> bool:
+    """Whether module ``name`` is the standard library's (its top-level package is)."""
+    return name.partition(".")[0] in sys.stdlib_module_names
 
 
 def _server_children() -> list[Any]:
