@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import pytest
@@ -35,6 +38,27 @@ def wait_for_threads(before: set[threading.Thread], within: float = 2.0) -> set[
         for thread in extra:
             thread.join(max(0.0, round_end - time.monotonic()))
         gc.collect()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The first fork server preloads the test modules that will run and the helpers they
+    imported, as a training script's server preloads the script's imports: each test module's
+    datasets would otherwise restart it (a new server imports torch again, seconds each) some
+    twenty times a run. A test that stops the server starts the next one with its own list;
+    the restart tests name modules nothing here imports."""
+    from torch_spdl.start_method import _module_of, start_context
+
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    modules = [item.module for item in session.items if hasattr(item, "module")]
+    modules += [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
+    ours = {
+        module
+        for module in modules
+        if (getattr(module, "__file__", None) or "").startswith(here)
+        and module.__name__ != "server_mark"  # writes a mark at exit, for its own test
+    }
+    imported = {_module_of(value) for module in ours for value in vars(module).values()}
+    start_context(None, sorted({module.__name__ for module in ours} | imported - {None}))
 
 
 @pytest.fixture

@@ -1110,7 +1110,9 @@ def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
     release = fork.Event()
     child = fork.Process(target=release.wait)
     child.start()
-    restart = threading.Thread(target=start_method.start_context, args=(None, ["this.one.is.new"]))
+    restart = threading.Thread(
+        target=start_method.start_context, args=(None, ["not_imported_anywhere.is_new"])
+    )
     try:
         server = multiprocessing.forkserver._forkserver._forkserver_pid
         restart.start()
@@ -1119,7 +1121,7 @@ def test_a_fork_server_restarts_without_waiting_for_a_child_forked_from_here():
         context = start_method.start_context(None)
         assert started_with(context, []) == ([], 0)  # a worker starts from the new server
         assert multiprocessing.forkserver._forkserver._forkserver_pid not in (server, None)
-        assert "this.one.is.new" in start_method._server_preload
+        assert "not_imported_anywhere.is_new" in start_method._server_preload
         assert child.is_alive()
     finally:
         release.set()
@@ -1154,7 +1156,9 @@ def test_a_fork_server_ended_for_a_restart_exits_as_usual_and_its_workers_still_
     child = fork.Process(target=release.wait)  # holds the server's alive pipe
     child.start()
     try:
-        start_method.start_context(None, ["this.module.is.new.too"])  # ends it with SIGTERM
+        start_method.start_context(
+            None, ["not_imported_anywhere.is_new_too"]
+        )  # ends it with SIGTERM
         assert multiprocessing.forkserver._forkserver._forkserver_pid is None
         assert mark.read_text().split() == [str(server)], "the server was killed, not exited"
         worker = context.Process(target=time.sleep, args=(60,))
