@@ -41,19 +41,19 @@ def wait_for_threads(before: set[threading.Thread], within: float = 2.0) -> set[
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The first fork server preloads the test modules that will run and the helpers they
-    imported, as a training script's server preloads the script's imports: each test module's
-    datasets would otherwise restart it (a new server imports torch again, seconds each) some
-    twenty times a run. A test that stops the server starts the next one with its own list;
-    the restart tests name modules nothing here imports."""
+    """The first fork server preloads the test directory's modules imported by collection (every
+    collected test module, integration ones included, and the helpers they import) and the
+    modules of their globals, as a training script's server preloads the script's imports:
+    each test module's datasets would otherwise restart it (a new server imports torch again,
+    seconds each) some twenty times a run. A test that stops the server starts the next one
+    with its own list; the restart tests name modules nothing here imports."""
     from torch_spdl.start_method import _module_of, start_context
 
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    modules = [item.module for item in session.items if hasattr(item, "module")]
-    modules += [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
     ours = {
         module
-        for module in modules
+        for module in list(sys.modules.values())  # collection registered each test module there
+        if isinstance(module, types.ModuleType)
         if (getattr(module, "__file__", None) or "").startswith(here)
         and module.__name__ != "server_mark"  # writes a mark at exit, for its own test
     }

@@ -1156,9 +1156,8 @@ def test_a_fork_server_ended_for_a_restart_exits_as_usual_and_its_workers_still_
     child = fork.Process(target=release.wait)  # holds the server's alive pipe
     child.start()
     try:
-        start_method.start_context(
-            None, ["not_imported_anywhere.is_new_too"]
-        )  # ends it with SIGTERM
+        # ends it with SIGTERM
+        start_method.start_context(None, ["not_imported_anywhere.is_new_too"])
         assert multiprocessing.forkserver._forkserver._forkserver_pid is None
         assert mark.read_text().split() == [str(server)], "the server was killed, not exited"
         worker = context.Process(target=time.sleep, args=(60,))
