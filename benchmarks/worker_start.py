@@ -60,6 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     root = synthetic_imagefolder(ImageSpec(images=args.images))
     folder = datasets.ImageFolder(str(root), images.classic_transform())
+    if (
+        len(folder) < args.batches * 64
+    ):  # a pass would end before its batches: say so, not StopIteration
+        parser.error(f"--images {len(folder)} is too few for --batches {args.batches} of 64")
     step = training.calibrate(20)
     common: dict[str, Any] = dict(
         batch_size=64, shuffle=True, drop_last=True, num_workers=args.workers
