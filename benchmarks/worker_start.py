@@ -60,9 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     root = synthetic_imagefolder(ImageSpec(images=args.images))
     folder = datasets.ImageFolder(str(root), images.classic_transform())
-    if (
-        len(folder) < args.batches * 64
-    ):  # a pass would end before its batches: say so, not StopIteration
+    if len(folder) < args.batches * 64:  # a pass would end early, in a StopIteration
         parser.error(f"--images {len(folder)} is too few for --batches {args.batches} of 64")
     step = training.calibrate(20)
     common: dict[str, Any] = dict(

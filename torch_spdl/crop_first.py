@@ -121,9 +121,13 @@ class TensorCropFirst:
         region = None if decode is None else decode(data, size, box)
         if region is None or tuple(region.shape[-2:]) != box[2:]:
             sample = crop.transform(self.decode(encoded), params)
-        else:  # the crop is all of the region: v2's ``resized_crop`` of a tensor is its resize
-            resize = _resize_image()
-            sample = resize(region[0], crop.size, crop.interpolation, antialias=crop.antialias)
+        else:  # the crop is all of the region, so v2's ``resized_crop`` would only resize it:
+            # its kernel called directly, without the transform's dispatch, paid at every sample
+            from torchvision.transforms.v2.functional import resize_image
+
+            sample = resize_image(
+                region[0], crop.size, crop.interpolation, antialias=crop.antialias
+            )
             sample = sample.contiguous()
         return self._rest(sample)
 
@@ -150,15 +154,6 @@ def tensor_crop_first(transform: Any) -> TensorCropFirst | None:
     if decode not in _tensor_decoders() or not _region_decodes_as_torchvision():
         return None
     return TensorCropFirst(decode, crop, rest)
-
-
-@functools.cache
-def _resize_image() -> Callable[..., torch.Tensor]:
-    """v2's resize kernel for a plain tensor, which its ``resized_crop`` calls after a crop:
-    called directly: the transform's dispatch around it is Python, paid at every sample."""
-    from torchvision.transforms.v2 import functional
-
-    return functional.resize_image
 
 
 @functools.cache  # asked once per sample; the functions are the modules', fixed once imported
