@@ -70,6 +70,7 @@ CONSUMER_HELD = 0.3  # share of its steps the training loop is held off by the G
 # wait for a core included (on 2 busy cores: 0.44-0.64 beside PIL's threads, mostly 0.45 or more
 # beside tensor transforms', 0.02-0.21 beside work that frees the GIL)
 GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops is slowed
+KNOCK_TRIM = 0.05  # the share of the probe's knocks left out of its mean wait at each end
 ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
 KNOCK_S = 0.001  # how long the probe sleeps between knocks
 GIL_BUSY = 0.25  # share of the probe's time spent waiting for the GIL: it is rarely free
@@ -183,6 +184,7 @@ class Measured:
     tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
     knocks: Tally = field(default_factory=Tally)  # the probe's, while the training loop waited
+    knock_waits: tuple[float, ...] = ()  # each of those knocks' wait for the GIL
     threads: int = 0  # the stage's threads, where the trial ran on fewer (``workers``) of them
     stolen: float = 0.0  # the hypervisor's seconds per second the host's CPUs ran, over the
     # window: counted in the threads' CPU time above (:meth:`Tally.unstolen`)
@@ -240,10 +242,17 @@ class Measured:
 
     @property
     def gil_wait_s(self) -> float:
-        """The mean wait for the GIL of a thread that wants it now and then (0: too little seen)."""
-        if self.knocks.wall < MIN_KNOCK_S:
+        """The mean wait for the GIL of a thread that wants it now and then, its longest and
+        shortest :data:`KNOCK_TRIM` of knocks left out (0: too little seen). A knock that comes
+        while another program has preempted the GIL's holder waits milliseconds for it whatever
+        the loader does, and one whose run-queue time the host over-counts reads as a wait of
+        less than none: a few of either among hundreds of microseconds tip the plain mean."""
+        waits = sorted(self.knock_waits)
+        if self.knocks.wall < MIN_KNOCK_S or not waits:
             return 0.0
-        return self.knocks.waiting_s / self.knocks.count
+        trim = int(KNOCK_TRIM * len(waits))
+        kept = waits[trim : len(waits) - trim]
+        return sum(kept) / len(kept)
 
     @property
     def gil_busy(self) -> float:
@@ -473,6 +482,7 @@ class Trial:
     _step_began: tuple[float, float, float] | None = None
     _first_step: float | None = None
     knocks: Tally = field(default_factory=Tally)
+    knock_waits: list[float] = field(default_factory=list)  # each knock's, in ``knocks``
     _knocker: Knocker | None = None
     _stopped: bool = False
     started: int = 0  # tasks begun on the threads: done, or still running there
@@ -536,7 +546,7 @@ class Trial:
                 if self._stopped:
                     return
                 # known before its thread starts: a Ctrl-C inside start() leaves it to stop()
-                knocker = self._knocker = Knocker(self.knocks)
+                knocker = self._knocker = Knocker(self.knocks, self.knock_waits)
                 knocker.start()
         if (knocker.waits % 2 == 1) != waiting:
             knocker.waits += 1
@@ -594,6 +604,7 @@ class Trial:
                 self.tasks_per_batch,
                 now - (self._first_step or now),
                 dataclasses.replace(self.knocks),
+                tuple(self.knock_waits),
                 self.threads,
                 stolen,
             )
@@ -601,11 +612,13 @@ class Trial:
 
 class Knocker:
     """A thread that sleeps :data:`KNOCK_S` at a time and adds to ``tally`` how late it got the
-    GIL back, for the knocks made entirely while the training loop waited (``waits`` is odd
-    then; the loop's thread counts it up as it starts and stops waiting)."""
+    GIL back, and to ``lateness`` each knock's wait for it, for the knocks made entirely while
+    the training loop waited (``waits`` is odd then; the loop's thread counts it up as it starts
+    and stops waiting)."""
 
-    def __init__(self, tally: Tally) -> None:
+    def __init__(self, tally: Tally, lateness: list[float]) -> None:
         self.tally = tally
+        self.lateness = lateness
         self.waits = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch_spdl.auto-probe")
@@ -620,7 +633,9 @@ class Knocker:
             time.sleep(KNOCK_S)  # one release and one take of the GIL
             end = ThreadClock.read()
             if waits % 2 == 1 and self.waits == waits:
-                self.tally.add(begin, (end[0], end[1] + KNOCK_S + slack, end[2]))
+                end = (end[0], end[1] + KNOCK_S + slack, end[2])
+                self.tally.add(begin, end)
+                self.lateness.append(end[0] - begin[0] - (end[1] - begin[1]) - (end[2] - begin[2]))
 
     def stop(self) -> None:
         self._stopped.set()
