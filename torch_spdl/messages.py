@@ -143,18 +143,23 @@ value) took seconds to read where the same reader alone took milliseconds. A mes
 memory is read in one go."""
 
 
-def dumps(obj: Any, *, reply: bool = False) -> memoryview:
+def dumps(obj: Any, *, reply: bool = False) -> bytes:
     """Pickle a message: large tensors into shared memory (torch's reductions), small ones by
     value, and the whole message into shared memory where it is large (:data:`LARGE_MESSAGE`).
     ``Connection.recv`` reads it back, as for ``Connection.send``.
 
     A worker's ``reply`` copies its large tensors into segments of their own, which the main
     process gives back once it has pinned them (:func:`release_received`); the main process's
-    requests need not pay for the copy: a worker pins nothing."""
+    requests need not pay for the copy: a worker pins nothing.
+
+    The message is the buffer's ``bytes`` (``getvalue()`` hands over its own, uncopied), not a
+    view of it: from Python 3.13 a ``BytesIO`` whose view a reference cycle holds (a send's
+    traceback, kept by the error a dead worker raises) fails to close when the cycle is
+    collected, and Python prints that error to stderr."""
     buffer = io.BytesIO()
     _Pickler(buffer, own_segments=reply).dump(obj)
     if buffer.tell() <= LARGE_MESSAGE:
-        return buffer.getbuffer()
+        return buffer.getvalue()
     return _in_shared_memory(buffer.getbuffer())
 
 
@@ -168,11 +173,11 @@ class _Shared:
         return _loads_shared, (self.message,)
 
 
-def _in_shared_memory(message: memoryview) -> memoryview:
+def _in_shared_memory(message: memoryview) -> bytes:
     """A small message that carries ``message`` in shared memory (one segment, one descriptor)."""
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(_Shared(_shared_bytes(message)))
-    return buffer.getbuffer()
+    return buffer.getvalue()
 
 
 def _shared_bytes(data: memoryview) -> torch.Tensor:
