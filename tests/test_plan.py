@@ -111,7 +111,7 @@ def test_a_dataset_with_state_is_read_from_a_copy_per_worker(
         (PROCESS, False, PROCESS),
         (PROCESS, True, PROCESS),
         (INLINE, False, INLINE),
-        (INLINE, True, AUTO),  # persistent threads outlive the pass: they stay, and may switch
+        (INLINE, True, INLINE),  # a persistent iterator's threads stop as the pass begins
         (THREAD, False, AUTO),
     ],
 )

@@ -131,7 +131,7 @@ def make_plan(
     decided = decided if may_switch else None
     copies = on_copies(iterable, stateful, hooks) and num_workers > 0
     stays = iterable or copies
-    executor = _executor(options, num_workers, persistent, stays, decided, server_up)
+    executor = _executor(options, num_workers, stays, decided, server_up)
     hooks, whole = _hooks_run(hooks, executor, may_switch, cached, options)
     shape = STREAMS if iterable else SAMPLES if hooks is not None else BATCHES
     copies = copies and executor != INLINE
@@ -194,18 +194,16 @@ def _skips_failures(options: Options, shape: str, executor: str) -> str | None:
 def _executor(
     options: Options,
     num_workers: int,
-    persistent: bool,
     stays: bool,
     decided: Decision | None,
     server_up: bool,
 ) -> str:
-    """Where the CPU stage runs. An inline decision of ``"auto"`` does not apply to persistent
-    workers, which outlive the pass; ``stays``: the stage stays where it starts (an
+    """Where the CPU stage runs. ``stays``: the stage stays where it starts (an
     IterableDataset's streams, a stateful dataset's copies); ``server_up``: worker processes
     would start without waiting for their fork server (:mod:`torch_spdl.server_up`)."""
     if num_workers == 0:
         return INLINE
-    if decided is not None and decided.executor == INLINE and not persistent:
+    if decided is not None and decided.executor == INLINE:
         return INLINE
     if options.processes:
         return PROCESS
