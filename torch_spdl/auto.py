@@ -143,11 +143,15 @@ class Tally:
     queue: float = 0.0
     count: int = 0
 
-    def add(self, begin: tuple[float, float, float], end: tuple[float, float, float]) -> None:
-        self.wall += end[0] - begin[0]
-        self.cpu += end[1] - begin[1]
-        self.queue += end[2] - begin[2]
+    def add(self, begin: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+        """Count the span from ``begin`` to ``end``; its time neither on a CPU nor waiting for
+        one (below zero where the host over-counts its run-queue time)."""
+        wall, cpu, queue = end[0] - begin[0], end[1] - begin[1], end[2] - begin[2]
+        self.wall += wall
+        self.cpu += cpu
+        self.queue += queue
         self.count += 1
+        return wall - cpu - queue
 
     def unstolen(self, ratio: float) -> Tally:
         """These spans with the CPU time the hypervisor took from under them counted as their
@@ -633,9 +637,9 @@ class Knocker:
             time.sleep(KNOCK_S)  # one release and one take of the GIL
             end = ThreadClock.read()
             if waits % 2 == 1 and self.waits == waits:
-                end = (end[0], end[1] + KNOCK_S + slack, end[2])
-                self.tally.add(begin, end)
-                self.lateness.append(end[0] - begin[0] - (end[1] - begin[1]) - (end[2] - begin[2]))
+                self.lateness.append(
+                    self.tally.add(begin, (end[0], end[1] + KNOCK_S + slack, end[2]))
+                )
 
     def stop(self) -> None:
         self._stopped.set()

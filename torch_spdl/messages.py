@@ -153,9 +153,9 @@ def dumps(obj: Any, *, reply: bool = False) -> bytes:
     requests need not pay for the copy: a worker pins nothing.
 
     The message is the buffer's ``bytes`` (``getvalue()`` hands over its own, uncopied), not a
-    view of it: from Python 3.13 a ``BytesIO`` whose view a reference cycle holds (a send's
-    traceback, kept by the error a dead worker raises) fails to close when the cycle is
-    collected, and Python prints that error to stderr."""
+    view of it: from Python 3.13 a ``BytesIO`` whose view a reference cycle holds (a failed
+    send's traceback, say) fails to close when the cycle is collected, and Python prints that
+    error to stderr."""
     buffer = io.BytesIO()
     _Pickler(buffer, own_segments=reply).dump(obj)
     if buffer.tell() <= LARGE_MESSAGE:
