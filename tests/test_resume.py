@@ -178,6 +178,28 @@ def test_variants_resume_in_any_epoch(config, epoch):
     check_cuts(config, epoch)
 
 
+@pytest.mark.parametrize("epoch", [1, 2], ids=["second_epoch", "third_epoch"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["global_rng", "generator"])
+def test_persistent_workers_that_went_inline_resume_in_a_later_epoch(monkeypatch, epoch, seeded):
+    """``"auto"`` sends the stage inline in the first pass; the persistent iterator's threads
+    stop as the next pass begins, and that pass and the next resume as torch's persistent
+    workers' do."""
+    from torch_spdl import auto, iterator
+
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
+    monkeypatch.setattr(
+        iterator, "decide", lambda measured, **_: auto.Decision(auto.INLINE, "a test")
+    )
+    # batches of one: enough tasks and steps that the trial ends in the first pass
+    config = Config(persistent=True, num_workers=2, seeded=seeded, batch_size=1)
+    check_cuts(config, epoch)
+    loader = config.ours()
+    run(loader)
+    assert loader.stats().stages[0].kind == "thread" and "chose inline" in loader.stats().executor
+    run(loader)
+    assert loader.stats().stages[0].kind == "inline"
+
+
 @pytest.mark.parametrize("config", [Config(), Config(num_workers=2, in_order=False, hooks=True)])
 def test_a_resumed_pass_can_be_interrupted_and_resumed_again(config):
     want = reference(config, 2)
