@@ -156,3 +156,23 @@ def quick_switch(start_cost, fork_server_up):
     """A fork server already up, and a short pass worth a switch, so that the switch happens
     within a test's time."""
     start_cost(0.25)  # a GIL-bound stage saves about half
+
+
+@pytest.fixture
+def decides(monkeypatch):
+    """Make ``"auto"`` decide as the test says once its trial ends, whatever it measured: the
+    switch's own behaviour, apart from what a busy test machine measures. Told why processes
+    cannot start, it stays on threads, as :func:`decide` does."""
+    from torch_spdl import auto, iterator
+    from torch_spdl.auto import PROCESS, THREAD, Decision
+
+    def set_executor(executor: str, deferred: bool = False) -> None:
+        def fixed(measured, no_processes=None, **_):
+            if executor == PROCESS and no_processes is not None:
+                return Decision(THREAD, f"the test decided, but {no_processes}", measured)
+            return Decision(executor, "the test decided", measured, deferred)
+
+        monkeypatch.setattr(iterator, "decide", fixed)
+        monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
+
+    return set_executor

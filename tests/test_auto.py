@@ -1098,24 +1098,6 @@ class Raises(Dataset):
         return index
 
 
-@pytest.fixture
-def decides(monkeypatch):
-    """Make ``"auto"`` decide as the test says once its trial ends, whatever it measured: the
-    switch's own behaviour, apart from what a busy test machine measures. Told why processes
-    cannot start, it stays on threads, as :func:`decide` does."""
-
-    def set_executor(executor: str, deferred: bool = False) -> None:
-        def fixed(measured, no_processes=None, **_):
-            if executor == PROCESS and no_processes is not None:
-                return Decision(THREAD, f"the test decided, but {no_processes}", measured)
-            return Decision(executor, "the test decided", measured, deferred)
-
-        monkeypatch.setattr(torch_spdl.iterator, "decide", fixed)
-        monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
-
-    return set_executor
-
-
 def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides):
     decides(INLINE)
     loader = torch_spdl.DataLoader(Raises(), batch_size=64, num_workers=2)

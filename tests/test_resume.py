@@ -25,6 +25,7 @@ import torch.utils.data as tud
 from index_datasets import Indices
 
 from torch_spdl import DataLoader, StagedDataset
+from torch_spdl.auto import INLINE
 from torch_spdl.pass_record import Progress
 
 N = 23  # prime: no batch size divides it
@@ -180,16 +181,11 @@ def test_variants_resume_in_any_epoch(config, epoch):
 
 @pytest.mark.parametrize("epoch", [1, 2], ids=["second_epoch", "third_epoch"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["global_rng", "generator"])
-def test_persistent_workers_that_went_inline_resume_in_a_later_epoch(monkeypatch, epoch, seeded):
+def test_persistent_workers_that_went_inline_resume_in_a_later_epoch(decides, epoch, seeded):
     """``"auto"`` sends the stage inline in the first pass; the persistent iterator's threads
     stop as the next pass begins, and that pass and the next resume as torch's persistent
     workers' do."""
-    from torch_spdl import auto, iterator
-
-    monkeypatch.setattr(auto, "TRIAL_S", 0.0)  # decide after the least tasks and steps
-    monkeypatch.setattr(
-        iterator, "decide", lambda measured, **_: auto.Decision(auto.INLINE, "a test")
-    )
+    decides(INLINE)
     # batches of one: enough tasks and steps that the trial ends in the first pass
     config = Config(persistent=True, num_workers=2, seeded=seeded, batch_size=1)
     check_cuts(config, epoch)

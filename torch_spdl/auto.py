@@ -251,9 +251,9 @@ class Measured:
         while another program has preempted the GIL's holder waits milliseconds for it whatever
         the loader does, and one whose run-queue time the host over-counts reads as a wait of
         less than none: a few of either among hundreds of microseconds tip the plain mean."""
-        waits = sorted(self.knock_waits)
-        if self.knocks.wall < MIN_KNOCK_S or not waits:
+        if self.knocks.wall < MIN_KNOCK_S or not self.knock_waits:
             return 0.0
+        waits = sorted(self.knock_waits)
         trim = int(KNOCK_TRIM * len(waits))
         kept = waits[trim : len(waits) - trim]
         return sum(kept) / len(kept)
