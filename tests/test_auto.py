@@ -110,6 +110,40 @@ def test_a_loop_the_gil_wakes_behind_busy_threads_sends_the_stage_to_processes()
     assert decide(idle_loop, cpus=2).executor == THREAD
 
 
+def test_a_loop_preempted_as_its_time_slices_end_is_not_held_off_by_the_gil():
+    """Its wait for a core beyond the stage threads' counts as the GIL's only in the share of the
+    times it lost its core that followed a wait of its own: a loop preempted at the end of its
+    time slice by threads that free the GIL (44 % in the run queue, the threads 12 %: CI's
+    2 cores, free-threaded Python) would be preempted as often by worker processes."""
+    busy = dict(stage_wait=0.02, consumer_wait=0.01, busy_cores=1.8, workers=2)
+    preempted = measured(**busy, consumer_queued=0.44, stage_queued=0.12)
+    preempted = dataclasses.replace(preempted, consumer_switches=(0, 72))
+    assert preempted.consumer_held == pytest.approx(0.01)
+    assert decide(preempted, cpus=2).executor == THREAD
+    assert "0% of the times it lost its core, it had waited" in str(decide(preempted, cpus=2))
+    woken = dataclasses.replace(preempted, consumer_switches=(60, 20))
+    assert woken.consumer_held == pytest.approx(0.01 + 0.32 * 0.75)
+    assert dataclasses.replace(woken, consumer_switches=(80, 0)).consumer_held == pytest.approx(
+        0.33
+    )
+    assert decide(dataclasses.replace(woken, consumer_switches=(80, 0)), cpus=2).executor == PROCESS
+
+
+@pytest.mark.skipif(auto._RUSAGE_THREAD is None, reason="no per-thread context switches here")
+def test_a_trial_counts_the_loops_own_waits_in_its_steps():
+    """A step that sleeps waits of its own (voluntary switches); the wait for a batch between
+    steps is not a step's."""
+    trial = Trial(1)
+    trial._began = time.perf_counter()
+    trial.step_began()
+    time.sleep(0.002)
+    time.sleep(0.002)
+    trial.step_ended()
+    time.sleep(0.002)  # waiting for the next batch
+    assert trial.consumer_switches[0] == 2
+    assert trial.measured().consumer_switches[0] == 2
+
+
 def test_a_stage_the_gil_does_not_bind_stays_on_threads():
     decision = decide(measured(stage_wait=0.02, gil_wait_us=5), cpus=16)
     assert (decision.executor, decision.reason) == (THREAD, "the GIL does not bind it")

@@ -16,7 +16,9 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   CPU without waiting for one), or :data:`CONSUMER_HELD` of it held off by the GIL, counting
   their time in the run queue beyond the stage threads' share (a thread the GIL wakes must then
   find a free core: where all are busy, it waits for one at every hand-off, and the GIL wait
-  alone understates the harm), or a thread that wants the GIL waits for it, on average,
+  alone understates the harm) in the share of the times the loop lost its core that followed a
+  wait of its own (the rest are preemptions as its time slices end, which worker processes on
+  the same cores would make as well), or a thread that wants the GIL waits for it, on average,
   :data:`GIL_WAIT_S` or more. A loop that launches ops takes the GIL back after each one, every
   few microseconds, and pays that wait each time (CUDA's synchronisation spins on the CPU by
   default, so a loop waiting for its GPU is on a CPU, not waiting). Either counts only while the
@@ -59,6 +61,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import steal
+
+try:  # per-thread context switches: Linux's getrusage(RUSAGE_THREAD)
+    import resource
+
+    _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+except ImportError:  # Windows
+    _RUSAGE_THREAD = None
 
 STAGE_WAIT = 0.05  # share of a stage thread's time spent waiting for the GIL: processes have it
 # back, and the hand-offs' CPU with it (2 cores, CPU-bound: threads at 4-9 % lost 3-15 % of
@@ -134,6 +143,16 @@ class _Closer:
             os.close(self.fd)
 
 
+def context_switches() -> tuple[int, int]:
+    """This thread's voluntary and involuntary context switches so far: the times it waited
+    (for the GIL, a lock, I/O) and the times the scheduler took its core from it, ending its
+    time slice. ``(0, 0)`` where the platform does not count them per thread."""
+    if _RUSAGE_THREAD is None:
+        return (0, 0)
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return (usage.ru_nvcsw, usage.ru_nivcsw)
+
+
 @dataclass
 class Tally:
     """Summed wall, CPU and run-queue seconds over ``count`` measured spans of one kind."""
@@ -192,6 +211,8 @@ class Measured:
     threads: int = 0  # the stage's threads, where the trial ran on fewer (``workers``) of them
     stolen: float = 0.0  # the hypervisor's seconds per second the host's CPUs ran, over the
     # window: counted in the threads' CPU time above (:meth:`Tally.unstolen`)
+    consumer_switches: tuple[int, int] = (0, 0)  # the training loop's voluntary and involuntary
+    # context switches in its steps (:func:`context_switches`)
 
     @property
     def busy_cores(self) -> float:
@@ -239,10 +260,21 @@ class Measured:
     @property
     def consumer_held(self) -> float:
         """The share of its steps' time the GIL held the training loop off: its wait for the GIL
-        and its wait for a core beyond the stage threads'. Where the cores are merely busy,
-        every thread waits in the run queue alike; a loop that waits more than the threads is
-        waking from GIL waits, each time behind them."""
-        return min(1.0, self.consumer_wait + max(0.0, self.consumer_queued - self.stage_queued))
+        and, of its wait for a core beyond the stage threads', the share that followed waits of
+        its own (:attr:`woken_share`). Where the cores are merely busy, every thread waits in
+        the run queue alike; a loop that waits more than the threads is waking from GIL waits,
+        each time behind them, or is preempted as its time slice ends, which worker processes
+        on the same cores would do as well."""
+        excess = max(0.0, self.consumer_queued - self.stage_queued)
+        return min(1.0, self.consumer_wait + excess * self.woken_share)
+
+    @property
+    def woken_share(self) -> float:
+        """The share of the times the training loop lost its core in its steps that it waited
+        (for the GIL, in a loop that only computes) rather than was preempted; 1 where the
+        platform does not count them, so that all its wait for a core counts."""
+        waited, preempted = self.consumer_switches
+        return waited / (waited + preempted) if waited + preempted else 1.0
 
     @property
     def gil_wait_s(self) -> float:
@@ -303,10 +335,16 @@ class Measured:
             f"({self.gil_busy:.0%} of its time); "
             f"the training loop was on a CPU {self.consumer_cpu:.0%} of its time and waited for "
             f"the GIL {self.consumer_wait:.0%} of its steps and for a core "
-            f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}); "
+            f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}"
+            f"{self._woken()}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
             f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}{self._stolen()}"
         )
+
+    def _woken(self) -> str:
+        if self.consumer_switches == (0, 0):
+            return ""
+        return f"; {self.woken_share:.0%} of the times it lost its core, it had waited"
 
     def _stolen(self) -> str:
         if self.stolen < 0.005:
@@ -484,6 +522,8 @@ class Trial:
     _process_cpu: float = 0.0
     _ticks: steal.CpuTicks | None = None  # the host's CPU ticks as the window began
     _step_began: tuple[float, float, float] | None = None
+    _step_switches: tuple[int, int] = (0, 0)  # the loop's context switches as its step began
+    consumer_switches: list[int] = field(default_factory=lambda: [0, 0])  # in its steps
     _first_step: float | None = None
     knocks: Tally = field(default_factory=Tally)
     knock_waits: list[float] = field(default_factory=list)  # each knock's, in ``knocks``
@@ -530,11 +570,15 @@ class Trial:
         """The training loop asks for a batch: the step since the last one ends here."""
         if self._step_began is not None:
             self.consumer.add(self._step_began, ThreadClock.read())
+            waited, preempted = context_switches()
+            self.consumer_switches[0] += waited - self._step_switches[0]
+            self.consumer_switches[1] += preempted - self._step_switches[1]
             self._step_began = None
 
     def step_began(self) -> None:
         """The training loop got a batch: its step begins."""
         if self._began is not None:  # before the stage's first task there is nothing to share
+            self._step_switches = context_switches()
             self._step_began = ThreadClock.read()
             if self._first_step is None:
                 self._first_step = self._step_began[0]
@@ -611,6 +655,7 @@ class Trial:
                 tuple(self.knock_waits),
                 self.threads,
                 stolen,
+                (self.consumer_switches[0], self.consumer_switches[1]),
             )
 
 
