@@ -1122,6 +1122,35 @@ def test_after_an_inline_decision_the_next_pass_runs_no_thread(no_leak, decides,
     del loader
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_pass_that_goes_inline_moves_at_a_batch_boundary(no_leak, decides, shuffle):
+    """Once ``"auto"`` chose inline, the pass's sampler is cut at the next batch boundary: the
+    loop runs the batches the stage's threads took, then fetches the rest itself, and the
+    threads stop (kept, they would hand each batch over unrun: workload C's first pass at
+    0.8x the loop alone). Every batch once, in torch's order."""
+    decides(INLINE)
+    dataset = Indices(20_000)
+
+    def make(cls: Any) -> Any:
+        generator = torch.Generator().manual_seed(3)
+        return cls(dataset, batch_size=64, num_workers=2, shuffle=shuffle, generator=generator)
+
+    torchs = [batch.tolist() for batch in make(torch.utils.data.DataLoader)]
+    before = set(threading.enumerate())
+    loader = make(torch_spdl.DataLoader)
+    batches, running, kinds = [], [], []
+    for batch in loader:
+        batches.append(batch.tolist())
+        running.append(bool(set(threading.enumerate()) - before))
+        kinds.append(loader.stats().stages[0].kind)
+    assert batches == torchs
+    assert running[0] and kinds[0] == "thread"  # the trial runs on the threads
+    moved = kinds.index("inline")  # then the pass moved, its threads stopped with it
+    assert 0 < moved < 20 and not any(running[moved:]), (moved, running)
+    assert "chose inline" in loader.stats().executor
+    del loader
+
+
 class Raises(Dataset):
     def __len__(self) -> int:
         return 200_000

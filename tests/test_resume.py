@@ -179,21 +179,20 @@ def test_variants_resume_in_any_epoch(config, epoch):
     check_cuts(config, epoch)
 
 
-@pytest.mark.parametrize("epoch", [1, 2], ids=["second_epoch", "third_epoch"])
+@pytest.mark.parametrize("epoch", [0, 1, 2], ids=["first_epoch", "second_epoch", "third_epoch"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["global_rng", "generator"])
-def test_persistent_workers_that_went_inline_resume_in_a_later_epoch(decides, epoch, seeded):
-    """``"auto"`` sends the stage inline in the first pass; the persistent iterator's threads
-    stop as the next pass begins, and that pass and the next resume as torch's persistent
-    workers' do."""
+def test_workers_that_went_inline_resume_as_torchs_do(decides, epoch, persistent, seeded):
+    """``"auto"`` sends the stage inline in the first pass, which moves there at a batch
+    boundary (its threads stop); that pass, cut before or after the move, and the passes after
+    it resume as torch's workers' do."""
     decides(INLINE)
-    # batches of one: enough tasks and steps that the trial ends in the first pass
-    config = Config(persistent=True, num_workers=2, seeded=seeded, batch_size=1)
+    # batches of one: enough tasks and steps that the trial ends early in the first pass
+    config = Config(persistent=persistent, num_workers=2, seeded=seeded, batch_size=1)
     check_cuts(config, epoch)
     loader = config.ours()
     run(loader)
-    assert loader.stats().stages[0].kind == "thread" and "chose inline" in loader.stats().executor
-    run(loader)
-    assert loader.stats().stages[0].kind == "inline"
+    assert loader.stats().stages[0].kind == "inline" and "chose inline" in loader.stats().executor
 
 
 @pytest.mark.parametrize("config", [Config(), Config(num_workers=2, in_order=False, hooks=True)])

@@ -27,7 +27,7 @@ import torch.utils.data
 from torch.utils.data import IterDataPipe
 
 from . import early_server, gil, pass_record, resume
-from .auto import PROCESS, THREAD, Decision, Trial, cores, decide, first_trial, start_cost
+from .auto import INLINE, PROCESS, THREAD, Decision, Trial, cores, decide, first_trial, start_cost
 from .batching import (
     Assembler,
     FetchTask,
@@ -108,6 +108,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # where "auto" may move a pass mid-way to worker processes reading whole batches: the
         # pipeline it moves to, and the batches of the pass the first one took (see _move_whole)
         self._following: tuple[Pipeline[Any], int] | None = None
+        self._inline_from: int | None = None  # the same, where the pass moves inline
+        self._loader = weakref.ref(loader)  # for the plan and fetcher of a pass moved inline
         self._streams = WorkerStreams(
             self._dataset,
             self._num_workers,
@@ -132,7 +134,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pipeline: Pipeline[Any] | None = None
         self._inline_at = 0  # the position of the next batch in the pass, when inline
         if plan.inline:
-            self._fetch_inline(loader)
+            self._fetch_inline(self._inline_fetcher(loader))
         else:
             self._dataset = thread_safe_view(self._dataset)
             self._pipeline = self._start_pipeline(loader)
@@ -159,11 +161,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return functools.partial(pin_memory, device=self._pin_memory_device)
 
     # -- num_workers=0: everything in the calling thread, as torch does --------------------------
-    def _fetch_inline(self, loader: DataLoader) -> None:
-        """Fetch each batch in the calling thread from now on (the plan is inline)."""
+    def _fetch_inline(self, fetch: Callable[[FetchTask], Any]) -> None:
+        """Fetch each batch in the calling thread from now on, with ``fetch`` (the plan is
+        inline)."""
         self._inline_stats = StageStats("fetch", "inline", 1, 1)
         self.stats_probe.stages = [self._inline_stats]
-        self._fetch = self._inline_fetcher(loader)
+        self._fetch = fetch
 
     def _goes_inline(self, loader: DataLoader) -> None:
         """A persistent iterator whose stage ``"auto"`` sent to the training loop's thread
@@ -178,7 +181,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pipeline.close()
         self._pipeline = self._switch = self.stats_probe.switch = None
         self._plan = self.stats_probe.plan = plan
-        self._fetch_inline(loader)
+        self._fetch_inline(self._inline_fetcher(loader))
 
     def _load(self, loader: DataLoader, hooks: Hooks) -> Callable[[Any], Any]:
         """The load hook of the dataset actually read, through the loader's cache if it has one."""
@@ -193,7 +196,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             batches = iter(self._iterable_worker()(0))  # the batches a worker would make
             return lambda task: next(batches)
         if hooks is None:
-            return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
+            return self._plain_fetcher()
         load = self._load(loader, hooks)
         if hooks.load_is_async:
             load_async = load
@@ -210,6 +213,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return self._finish([preprocess(raw) for raw in load_all(task.index)])
 
         return fetch
+
+    def _plain_fetcher(self) -> Callable[[FetchTask], Any]:
+        """Fetches a batch of a dataset without hooks: ``__getitem__`` (or ``__getitems__``),
+        then ``collate_fn``."""
+        return batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
 
     def _inline_loads(
         self, load: Callable[[Any], Any], hooks: Hooks
@@ -312,6 +320,33 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._make_source = fetch_tasks
         following = self._pipeline_of(self._fetch_pipeline(pool.stage("fetch"), pool.start), pool)
         self._following = (following, taken)
+
+    def _move_inline(self) -> None:
+        """``"auto"`` sent the stage to the training loop's thread (:data:`INLINE`): rather than
+        have its threads hand each batch over unrun for the loop to fetch, the pass's sampler is
+        cut at the next batch boundary; the loop runs the batches the pipeline took, then
+        fetches the rest itself (:meth:`_inline_takes_over`), as ``num_workers=0`` does."""
+        if self._cut is None or self._moved is not None or self._inline_from is not None:
+            return
+        self._inline_from = self._cut.cut()
+        self._sampler_iter = self._cut.rest
+
+    def _inline_takes_over(self) -> None:
+        """The pipeline gave its last batch of a pass moved inline: stop its threads, and fetch
+        from the pass's next batch on in the calling thread, with the inline plan the loader
+        holds from now on (its later passes, persistent or not, run inline from the start)."""
+        assert self._pipeline is not None and self._inline_from is not None
+        self._pipeline.close()
+        self._pipeline = None
+        self._inline_at = self._inline_from
+        self._pass.took_already(self._inline_from)
+        self._inline_from = None
+        loader = self._loader()
+        if loader is not None:  # a loop over DataLoader(...) holds the iterator only
+            self._plan = self.stats_probe.plan = loader._plan(self)
+        # a pass moves inline only without hooks; its errors read as they did before the move
+        fetch = self._plain_fetcher()
+        self._fetch_inline(lambda task: run_deferred(Deferred(fetch, task)))
 
     def _take_over(self) -> Pipeline[Any]:
         """The pipeline the pass moved to, once the first has given its last batch (or the
@@ -585,6 +620,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return data
         if self._switch is not None and self._switch.pool_ready:
             self._move_whole(self._switch)
+        elif self._switch is not None and self._switch.route == INLINE:
+            self._move_inline()
         began = time.monotonic()
         deadline = None if not self._timeout else began + self._timeout
         stall = self._stall_warning
@@ -593,10 +630,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if trial is not None:
             trial.consumer_waits(True)  # the GIL probe's knocks count now: see torch_spdl.auto
         try:
-            return self._wait_for_batch(began, deadline, stall, warn_at)
+            data = self._wait_for_batch(began, deadline, stall, warn_at)
         finally:
             if trial is not None:
                 trial.consumer_waits(False)
+        # the pass moved inline, and the pipeline gave its last batch: the rest is fetched here
+        return self._next_batch() if data is _INLINE_NEXT else data
 
     def _wait_for_batch(
         self, began: float, deadline: float | None, stall: float | None, warn_at: float | None
@@ -621,6 +660,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 self._report.maybe_log()
                 continue
             except StopIteration:
+                if self._inline_from is not None:
+                    self._inline_takes_over()
+                    return _INLINE_NEXT
                 if self._following is None:
                     raise
                 pipeline = self._take_over()
@@ -776,7 +818,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._base_seed, self._sampler_iter = start.base_seed, start.index_stream
         self._offset = 0  # the first batch of the pipeline read from is the pass's first
         self._moved = self._moved_plan(loader)
-        self._cut = None if self._moved is None else Cut(self._sampler_iter)
+        self._inline_from = None
+        cuts = self._moved is not None or self._may_go_inline()
+        self._cut: Cut | None = Cut(self._sampler_iter) if cuts else None
         if self._cut is not None:
             self._sampler_iter = self._cut
         self._num_yielded = start.yielded
@@ -789,6 +833,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # the pass (CurrentPass.batches)
         self._current.shared_seed = self._shared_seed
         self._streams.reseed(self._shared_seed)
+
+    def _may_go_inline(self) -> bool:
+        """Whether ``"auto"`` measures this pass's stage where it may decide to run it in the
+        training loop's thread: a dataset's ``__getitem__`` (no hooks), not yet decided. Its pass
+        then moves inline mid-way (:meth:`_move_inline`)."""
+        plan = self._plan
+        return plan.executor == AUTO and plan.hooks is None and plan.decision is None
 
     def _moved_plan(self, loader: DataLoader) -> Plan | None:
         """The plan a pass moves to mid-way, if it may (see :meth:`_move_whole`): ``"auto"``
@@ -809,6 +860,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._pipeline is not None:
             self._pipeline.close()
         self._settle()
+
+
+_INLINE_NEXT = object()  # the pipeline's pass ended where the pass moved inline: fetch here
 
 
 def run_deferred(deferred: Deferred) -> Any:

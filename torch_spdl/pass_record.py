@@ -466,6 +466,11 @@ class PassRecord:
         self.delivered(self._taken)
         self._taken += 1
 
+    def took_already(self, batches: int) -> None:
+        """A pass moved inline mid-way: the stream's first ``batches`` went through the pipeline
+        (each :meth:`delivered` as it reached the user), and :meth:`took` goes on from there."""
+        self._taken = batches
+
     def delivered(self, position: int | None) -> None:
         """The item at ``position`` of this pass's stream reached the user (or raised)."""
         if position is None:
