@@ -5,10 +5,10 @@ with a task. During the trial it runs the task itself, measured (:class:`~torch_
 once :func:`~torch_spdl.auto.decide` has spoken, a thread either goes on doing so, or hands the
 task to the worker process it drives (the same exchange as ``worker_method="process"``), or hands
 it on unrun, as a :class:`Deferred` that the training loop's thread runs when the batch is
-delivered (what ``num_workers=0`` does; the loader's iterator then :class:`Cut`\ s the pass, so
-that the loop fetches the batches the threads have not taken itself). Every task is run exactly once, by whichever executor
-holds the route when a thread takes it, and the engine keeps the order: nothing is lost,
-repeated or reordered by a switch.
+delivered (what ``num_workers=0`` does; the loader's iterator then cuts the pass with a
+:class:`Cut`, and the loop fetches the batches the threads have not taken itself). Every task is
+run exactly once, by whichever executor holds the route when a thread takes it, and the engine
+keeps the order: nothing is lost, repeated or reordered by a switch.
 
 Worker processes start in a thread of their own while the stage threads keep working, and the
 route changes only once every process is set up, so the switch costs no pause, and processes that
