@@ -178,10 +178,18 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         plan = loader._plan(self)
         if not plan.inline:
             return
+        self._switch = self.stats_probe.switch = None
+        self._stop_threads(plan, self._inline_fetcher(loader))
+
+    def _stop_threads(self, plan: Plan | None, fetch: Callable[[FetchTask], Any]) -> None:
+        """Close the pipeline and fetch with ``fetch`` in the calling thread from now on, under
+        ``plan`` (the inline plan the loader holds; None: the plan stays as it is)."""
+        assert self._pipeline is not None
         self._pipeline.close()
-        self._pipeline = self._switch = self.stats_probe.switch = None
-        self._plan = self.stats_probe.plan = plan
-        self._fetch_inline(self._inline_fetcher(loader))
+        self._pipeline = None
+        if plan is not None:
+            self._plan = self.stats_probe.plan = plan
+        self._fetch_inline(fetch)
 
     def _load(self, loader: DataLoader, hooks: Hooks) -> Callable[[Any], Any]:
         """The load hook of the dataset actually read, through the loader's cache if it has one."""
@@ -335,18 +343,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """The pipeline gave its last batch of a pass moved inline: stop its threads, and fetch
         from the pass's next batch on in the calling thread, with the inline plan the loader
         holds from now on (its later passes, persistent or not, run inline from the start)."""
-        assert self._pipeline is not None and self._inline_from is not None
-        self._pipeline.close()
-        self._pipeline = None
+        assert self._inline_from is not None
         self._inline_at = self._inline_from
         self._pass.took_already(self._inline_from)
         self._inline_from = None
-        loader = self._loader()
-        if loader is not None:  # a loop over DataLoader(...) holds the iterator only
-            self._plan = self.stats_probe.plan = loader._plan(self)
+        loader = self._loader()  # None in a loop over DataLoader(...): it holds the iterator only
         # a pass moves inline only without hooks; its errors read as they did before the move
         fetch = self._plain_fetcher()
-        self._fetch_inline(lambda task: run_deferred(Deferred(fetch, task)))
+        plan = None if loader is None else loader._plan(self)
+        self._stop_threads(plan, lambda task: run_deferred(Deferred(fetch, task)))
 
     def _take_over(self) -> Pipeline[Any]:
         """The pipeline the pass moved to, once the first has given its last batch (or the
