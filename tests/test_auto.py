@@ -1226,6 +1226,9 @@ def test_thread_fixes_the_choice(no_leak):
         ("if '__main__' == __name__:\n    main()\n", True),
         ("import torch\nfor batch in loader:\n    step(batch)\n", False),
         ("def main():\n    if __name__ == '__main__':\n        pass\n", False),  # not top level
+        ("import sys\nif __name__ == '__main__' and sys.argv:\n    main()\n", True),
+        ("if __name__ in ('__main__',):\n    main()\n", True),
+        ("if __name__ != '__main__':\n    raise SystemExit\nmain()\n", False),
     ],
 )
 def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
@@ -1259,6 +1262,29 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
             FetchJob(Indices(4), True, None), 2, 0, None, multiprocessing.get_context("fork"), None
         )
         assert forked.unsafe() is None
+
+
+def test_process_asked_for_names_an_unguarded_script_before_any_worker_starts(
+    tmp_path, monkeypatch
+):
+    """Workers started by a fork server would run the script again and fail as they start,
+    leaving the loader a broken pipe; ``"process"`` says what to change instead."""
+    import types
+
+    script = tmp_path / "train.py"
+    script.write_text("for batch in loader:\n    step(batch)\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    loader = torch_spdl.DataLoader(
+        Indices(8),
+        batch_size=2,
+        num_workers=2,
+        worker_method="process",
+        multiprocessing_context="forkserver",
+    )
+    with pytest.raises(RuntimeError, match=f"cannot start .*{script}.* has no `if __name__"):
+        iter(loader)
 
 
 def test_no_main_file_is_safe(monkeypatch):

@@ -62,15 +62,15 @@ def unguarded_main() -> str | None:
 
 
 def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"``, either way round."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-        return False
-    if not isinstance(test.ops[0], ast.Eq):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [side for side in sides if isinstance(side, ast.Name) and side.id == "__name__"]
-    texts = [side for side in sides if isinstance(side, ast.Constant) and side.value == "__main__"]
-    return bool(names and texts)
+    """A test that reads ``__name__`` against ``"__main__"``: ``__name__ == "__main__"`` either
+    way round, and forms such as ``__name__ in ("__main__",)`` or ``... and args``, which a
+    stricter reading would take for no guard and refuse worker processes for."""
+    nodes = list(ast.walk(test))
+    if any(isinstance(node, (ast.NotEq, ast.NotIn, ast.Not)) for node in nodes):
+        return False  # the body runs in the workers, not in the script
+    names = any(isinstance(node, ast.Name) and node.id == "__name__" for node in nodes)
+    texts = any(isinstance(node, ast.Constant) and node.value == "__main__" for node in nodes)
+    return names and texts
 
 
 def _guarded_definitions(path: str) -> set[str]:

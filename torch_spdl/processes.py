@@ -855,28 +855,34 @@ class PoolStarter:
         reason = unreachable_main(job, found)
         if reason is not None:
             return reason
-        path = unguarded_main()
-        if path is not None:
-            return (
-                f"worker processes would run the main script again: {path} has no "
-                '`if __name__ == "__main__":` guard'
-            )
-        return copies_too_large(found, self.num_workers)
+        return _reruns_main() or copies_too_large(found, self.num_workers)
 
     def _check_main(self, context: Any, job: Job) -> None:
         """Raise at once where no worker could run ``job`` (see :func:`unreachable_main`), rather
         than fail every batch with a dead worker; torch's default ``fork`` meets no such case."""
         if context.get_start_method() == "fork":
             return
-        reason = unreachable_main(job)
+        reason = unreachable_main(job) or _reruns_main()
         if reason is not None:
             raise RuntimeError(
                 f"worker_method='process' cannot start its workers by "
-                f"{context.get_start_method()!r}: {reason}. Import what the workers need from a "
-                "module (run the script from a file), pass multiprocessing_context='fork' to "
-                "fork them from this process (safe only while no other thread holds a lock), or "
-                "use worker_method='thread'."
+                f"{context.get_start_method()!r}: {reason}. Run the script from a file with its "
+                'work under `if __name__ == "__main__":` and what the workers need importable, '
+                "pass multiprocessing_context='fork' to fork them from this process (safe only "
+                "while no other thread holds a lock), or use worker_method='thread'."
             )
+
+
+def _reruns_main() -> str | None:
+    """Why workers that import the main script would run it again, or None (see
+    :func:`unguarded_main`)."""
+    path = unguarded_main()
+    if path is None:
+        return None
+    return (
+        f"worker processes would run the main script again: {path} has no "
+        '`if __name__ == "__main__":` guard'
+    )
 
 
 def attach(pipeline: Pipeline[Any], pool: ProcessPool | None) -> Pipeline[Any]:
