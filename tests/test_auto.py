@@ -282,11 +282,13 @@ def test_a_switch_mid_pass_waits_for_the_next_pass_where_it_would_not_pay():
     start: its processes start with the next pass. Work the GIL binds on 16 cores saves most of
     the rest, and moves now if that pays for the start, sooner where the fork server runs."""
     near = measured(stage_wait=0.06, busy_cores=1.9, workers=2, consumer_cpu=0.0)
-    # 20 ms tasks (21 ms with their wait) on 2 threads: 400 of them are 4.3 s, 6 % of it saved
+    # 20 ms tasks (21 ms with their wait) on 2 threads: 250 of them are 2.7 s, 6 % of it saved
     for start_s in (auto.COLD_START_S, auto.WARM_START_S):
-        later = decide(near, cpus=2, remaining_tasks=400, start_s=start_s)
+        later = decide(near, cpus=2, remaining_tasks=250, start_s=start_s)
         assert (later.executor, later.deferred) == (PROCESS, True), later
-        assert "about 0.3 s of the 4.3 s left" in later.reason
+        assert "about 0.2 s of the 2.7 s left" in later.reason
+    sooner = decide(near, cpus=2, remaining_tasks=400, start_s=auto.WARM_START_S)
+    assert (sooner.executor, sooner.deferred) == (PROCESS, False)  # 0.3 s saved of 4.3 s
     long = decide(near, cpus=2, remaining_tasks=100_000, start_s=auto.COLD_START_S)
     assert (long.executor, long.deferred) == (PROCESS, False)
     bound = measured(stage_wait=0.6, busy_cores=1.0, workers=4)  # 50 ms tasks, 0.75 saved
@@ -294,6 +296,48 @@ def test_a_switch_mid_pass_waits_for_the_next_pass_where_it_would_not_pay():
     warm = decide(bound, cpus=16, remaining_tasks=100, start_s=auto.WARM_START_S)
     assert (cold.deferred, warm.deferred) == (True, False)
     assert decide(bound, cpus=16, remaining_tasks=100).deferred  # cold unless told
+
+
+def test_a_larger_job_costs_its_workers_start_more(monkeypatch):
+    """Each worker is sent the dataset pickled: a list of a million file names costs more than
+    the fork, and a pass that would pay for a small job's start may not pay for a large one's."""
+    from torch_spdl import compat
+
+    monkeypatch.setattr(compat, "forkserver_running", lambda: True)
+    assert auto.start_cost() == auto.WARM_START_S
+    assert auto.start_cost(73_000_000) == pytest.approx(auto.WARM_START_S + 0.73)
+    monkeypatch.setattr(compat, "forkserver_running", lambda: False)
+    assert auto.start_cost(73_000_000) == pytest.approx(auto.COLD_START_S + 0.73)
+    bound = measured(stage_wait=0.6, busy_cores=1.0, workers=4)  # 1.25 s left, 0.75 s saved
+    small = decide(bound, cpus=16, remaining_tasks=100, start_s=0.2 + 200_000 / 100e6)
+    large = decide(bound, cpus=16, remaining_tasks=100, start_s=0.2 + 100_000_000 / 100e6)
+    assert (small.deferred, large.deferred) == (False, True)
+
+
+def test_what_each_worker_would_be_sent_is_weighed_by_the_decision(
+    monkeypatch, no_leak, fork_server_up
+):
+    """The trial's first ruling counts a start without the job; where it says processes now,
+    the job's size, known once it is pickled to look, is added to their start's cost."""
+    from torch_spdl import iterator
+    from torch_spdl.processes import Vetting
+
+    costs: list[float] = []
+
+    def rule(measured, *, start_s, no_processes=None, **_):
+        costs.append(start_s)
+        later = start_s > 1.0
+        return Decision(PROCESS, "the test decided" + (": later" if later else ""), measured, later)
+
+    monkeypatch.setattr(iterator, "decide", rule)
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    monkeypatch.setattr(PoolStarter, "vet", lambda starter: Vetting(None, 500_000_000))
+    loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
+    assert len(list(loader)) == 250
+    assert costs == [auto.WARM_START_S, pytest.approx(auto.WARM_START_S + 5.0)]
+    assert loader.stats().executor.startswith(
+        "worker_method='auto' chose process: the test decided: later"
+    )
 
 
 @pytest.mark.parametrize(
@@ -1261,7 +1305,7 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
         forked = PoolStarter(
             FetchJob(Indices(4), True, None), 2, 0, None, multiprocessing.get_context("fork"), None
         )
-        assert forked.unsafe() is None
+        assert forked.vet() == (None, 0)  # forked workers inherit their job: nothing is sent
 
 
 def test_process_asked_for_names_an_unguarded_script_before_any_worker_starts(
@@ -1452,11 +1496,13 @@ def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processe
 ):
     """Looking pickles the dataset: only a trial that ends in processes asks, once, and the
     decision taken is kept for the next passes without asking again."""
-    from torch_spdl.processes import PoolStarter
+    from torch_spdl.processes import PoolStarter, Vetting
 
     asked = []
     decides(chosen)
-    monkeypatch.setattr(PoolStarter, "unsafe", lambda starter: asked.append(1) or "it says no")
+    monkeypatch.setattr(
+        PoolStarter, "vet", lambda starter: asked.append(1) or Vetting("it says no", 0)
+    )
     loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
     assert asked == []  # made, not yet iterated
     for _ in range(3):

@@ -90,7 +90,11 @@ INLINE_BATCH_S = 0.001  # CPU per batch under which a GIL-bound stage is cheapes
 COLD_START_S = 2.0  # what starting worker processes costs where no fork server runs: it
 # imports torch and the dataset's modules (3 s on 2 cores, 7.6-12 s on 16-core GPU hosts), on
 # cores the threads are using
-WARM_START_S = 0.3  # from a running fork server: each worker forks, unpickles its job, starts
+WARM_START_S = 0.2  # from a running fork server: each worker forks and starts (a job of 2,048
+# samples on 2 cores: 0.03 s idle, 0.19 s beside two busy processes, as a trial's threads keep
+# them busy)
+JOB_BYTES_PER_S = 100e6  # and the job's pickle: packed here once, unpacked by each worker (1.28 M
+# ImageFolder samples, a 73 MB pickle, added 0.77 s idle and 1.1 s busy on 2 cores)
 TRIAL_S = 0.3  # the least time the trial lasts, once it has enough tasks and steps
 TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
@@ -451,12 +455,15 @@ def _left_s(measured: Measured, remaining_tasks: int | None) -> float | None:
     return remaining_tasks * measured.task_s / measured.workers
 
 
-def start_cost() -> float:
+def start_cost(job_bytes: int = 0) -> float:
     """What starting worker processes costs now: less where this process's fork server already
-    runs (started by an earlier pool, or as the loader was made: :mod:`torch_spdl.early_server`)."""
+    runs (started by an earlier pool, or as the loader was made: :mod:`torch_spdl.early_server`),
+    more for a larger job (``job_bytes`` pickled: a dataset's list of a million file names costs
+    more than the fork)."""
     from .compat import forkserver_running
 
-    return WARM_START_S if forkserver_running() else COLD_START_S
+    base = WARM_START_S if forkserver_running() else COLD_START_S
+    return base + job_bytes / JOB_BYTES_PER_S
 
 
 def _for_state(

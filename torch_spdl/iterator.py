@@ -66,7 +66,7 @@ from .pipeline import (
 from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .plan import AUTO, STREAMS, Plan
-from .processes import ProcessPool, attach, process_pool
+from .processes import ProcessPool, Vetting, attach, process_pool
 from .sampling import WorkerStreams, datapipe_graph
 from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
@@ -459,7 +459,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             name,
             start=start,
             make_pool=make_pool,
-            conclude=self._concluder(loader, inline_possible, make_pool.unsafe),
+            conclude=self._concluder(loader, inline_possible, make_pool.vet),
             trial=None if pending else trial,
             route=THREAD if decided is None or pending else decided.executor,
             hands_over=self._moved is not None,
@@ -476,11 +476,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self,
         loader: DataLoader,
         inline_possible: bool,
-        unsafe: Callable[[], str | None],
+        vet: Callable[[], Vetting],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
-        ``unsafe`` says why processes must not start (:meth:`PoolStarter.unsafe`); it pickles
-        the dataset to look, so it is asked only where a trial ends in processes."""
+        ``vet`` says why processes must not start, if they must not, and what each would be
+        sent (:meth:`PoolStarter.vet`); it pickles the dataset to look, so it is asked only
+        where a trial ends in processes."""
         budget = None
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
@@ -499,8 +500,11 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             )
             decision = rule(no_processes=budget or (None if watch is None else watch.no_copies()))
             if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look
-                why = unsafe()
-                decision = decision if why is None else rule(no_processes=why)
+                why, job_bytes = vet()
+                if why is not None:
+                    decision = rule(no_processes=why)
+                elif not decision.deferred:  # a large job may not pay for its start yet
+                    decision = rule(no_processes=None, start_s=start_cost(job_bytes))
             return decision
 
         return conclude

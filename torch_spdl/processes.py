@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection, util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -790,6 +790,13 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
     )
 
 
+class Vetting(NamedTuple):
+    """What ``"auto"`` learns of worker processes before it starts them."""
+
+    why: str | None  # why they must not start, or None
+    job_bytes: int  # what each is sent, pickled (arrays it would share left out)
+
+
 @dataclass(frozen=True)
 class PoolStarter:
     """A :class:`ProcessPool` to be, as plain values; calling it starts the processes."""
@@ -840,22 +847,29 @@ class PoolStarter:
         return True
 
     def unsafe(self) -> str | None:
-        """Why ``"auto"`` must not start these workers, or None: a main module they could not
-        import, or a script without a main guard that they would (see :mod:`.main_script`), or
-        copies of the dataset too large for this host (see :mod:`.pickled`). It pickles the job
-        to look: ``"auto"`` asks only where it would start them."""
+        """Why ``"auto"`` must not start these workers, or None (see :meth:`vet`)."""
+        return self.vet().why
+
+    def vet(self) -> Vetting:
+        """Whether ``"auto"`` may start these workers, and the size of what each is sent. Not
+        where a main module they could not import, or a script without a main guard that they
+        would (see :mod:`.main_script`), or copies of the dataset too large for this host (see
+        :mod:`.pickled`). It pickles the job to look: ``"auto"`` asks only where it would start
+        them. Forked workers are sent nothing: they inherit the job."""
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
-            return None
+            return Vetting(None, 0)
         try:
             job = self._job()
         except TypeError as error:  # the dataset cannot be copied as it was
-            return str(error)
+            return Vetting(str(error), 0)
         found = contents(job)
-        reason = unreachable_main(job, found)
-        if reason is not None:
-            return reason
-        return _reruns_main() or copies_too_large(found, self.num_workers)
+        why = (
+            unreachable_main(job, found)
+            or _reruns_main()
+            or copies_too_large(found, self.num_workers)
+        )
+        return Vetting(why, found.copied_bytes)
 
     def _check_main(self, context: Any, job: Job) -> None:
         """Raise at once where no worker could run ``job`` (see :func:`unreachable_main`), rather
