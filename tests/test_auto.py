@@ -1308,6 +1308,24 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
         assert forked.vet() == (None, 0)  # forked workers inherit their job: nothing is sent
 
 
+def test_the_main_script_is_parsed_once_for_each_version_of_it(tmp_path, monkeypatch):
+    """Every pass's workers are checked against the script; an edited script is read again."""
+    import types
+
+    from torch_spdl import main_script
+
+    script = tmp_path / "train.py"
+    script.write_text("if __name__ == '__main__':\n    main()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    assert main_script.unguarded_main() is None
+    assert main_script._parse(str(script)) is main_script._parse(str(script))
+    script.write_text("main()\n")
+    os.utime(script, ns=(0, 1))  # a new version even within the clock's resolution
+    assert main_script.unguarded_main() == str(script)
+
+
 def test_process_asked_for_names_an_unguarded_script_before_any_worker_starts(
     tmp_path, monkeypatch
 ):

@@ -21,6 +21,7 @@ instead of failing every batch.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sys
 from typing import Any
@@ -36,6 +37,17 @@ def _main_path(main: Any) -> str | None:
 
 
 def _parse(path: str) -> ast.Module | None:
+    """The script at ``path``, parsed once for each version of the file: worker processes are
+    checked against it at every pass's start (8 ms for a script of 900 lines)."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return _parse_version(path, found.st_mtime_ns, found.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_version(path: str, mtime_ns: int, size: int) -> ast.Module | None:
     try:
         with open(path, "rb") as file:
             return ast.parse(file.read(), path)
