@@ -1,6 +1,6 @@
 """Measurements of the GIL taken again while the hypervisor took this machine's CPUs.
 
-A GIL measurement (``"auto"``'s trial, ``torch_spdl.bench.profile.gil_held``) reads a thread's
+A GIL measurement (``"auto"``'s trial, ``torch_spdl.bench.profile.pooled``) reads a thread's
 time neither on a CPU nor queued for one as time spent waiting for the GIL. On a virtual machine
 whose host is busy, the hypervisor also takes a CPU from under the thread running on it (steal
 time, ``/proc/stat``): that thread reads as waiting, and so does every thread waiting for the GIL

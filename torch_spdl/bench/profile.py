@@ -6,7 +6,8 @@ Three views, each measured in the same process as the loaders:
   thread with no loader. Thread CPU time rather than wall time, so other programs on the
   machine barely move it. ``2 / cost`` is a path's 2-core limit; the steps say which dominates.
 - :func:`thread_scaling`: the per-sample function alone in a plain pool of 1 and of 2 threads.
-  Its speed-up at 2 threads is what the GIL lets that code reach before any loader is involved.
+  Its speed-up at 2 threads, and the 2 threads' wait for the GIL, are what the GIL lets that
+  code reach before any loader is involved.
 - :func:`loader_cpu`: a loader's CPU per sample split by thread (torch_spdl names its threads
   after their stage) or by process (torch's workers), so overhead outside the transform shows.
 - :func:`intra_op_effect`: one loader with torch's default intra-op threads and with one.
@@ -21,9 +22,8 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from PIL import Image
 from torchvision import datasets
@@ -68,17 +68,46 @@ def stage_costs(root: Path, images: int = 128) -> dict[str, float]:
     return costs
 
 
-def pool_rate(work: Callable[[int], Any], items: int, threads: int) -> float:
-    """Items per second of ``work`` over ``range(items)`` on a pool of ``threads`` threads."""
+class Pooled(NamedTuple):
+    """A plain thread pool's run of one function over its items."""
+
+    rate: float  # items per second
+    gil_wait: float  # the threads' share of their time neither on a CPU nor queued for one
+
+
+def pooled(work: Callable[[int], Any], items: int, threads: int) -> Pooled:
+    """``work`` over ``range(items)`` on ``threads`` threads, each with its share: items per
+    second, and their wait for the GIL as ``"auto"``'s trial reads a stage's threads (their
+    time neither on a CPU nor queued for one: :class:`~torch_spdl.auto.ThreadClock`).
+
+    Two threads of work that holds the GIL all its time wait about half of theirs; work that
+    releases it, about none. Unlike a thread that wants the GIL all the time beside the work,
+    nothing here hands the GIL over more often than the work itself does: such a thread makes
+    each of the work's many short releases a 5 ms wait to take it back, and reads the hand-offs
+    as held (the classic path's 256 images took 28.5 s beside one instead of 0.63 s).
+    """
+    tally, lock = Tally(), threading.Lock()
+
+    def run(share: range) -> None:  # timed whole: a call shorter than a GIL slice waits between
+        begin = ThreadClock.read()
+        for i in share:
+            work(i)
+        end = ThreadClock.read()
+        with lock:  # the GIL may be off
+            tally.add(begin, end)
+
+    pool = [threading.Thread(target=run, args=(range(k, items, threads),)) for k in range(threads)]
     start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in pool.map(work, range(items)):
-            pass
-    return items / (time.perf_counter() - start)
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return Pooled(items / (time.perf_counter() - start), tally.waiting)
 
 
 def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, float]:
-    """Samples/s of each path's per-sample work on 1 and 2 plain threads, and the speed-up.
+    """Samples/s of each path's per-sample work on 1 and 2 plain threads, the speed-up, and the
+    2 threads' wait for the GIL (:func:`pooled`).
 
     Rounds interleave the four runs; medians. The classic path is ``ImageFolder[i]`` (read, PIL
     decode, transform); the fast path reads the file and calls :func:`fast_transform`.
@@ -90,80 +119,23 @@ def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, f
         "classic": folder.__getitem__,
         "fast path": lambda i: fast_transform(bytearray(Path(paths[i]).read_bytes())),
     }
-    rates: dict[tuple[str, int], list[float]] = {}
-    held: dict[str, list[float]] = {}
+    runs: dict[tuple[str, int], list[Pooled]] = {}
     with intra_op_threads(1):
         for _ in range(rounds):
             for name, work in works.items():
                 for threads in (1, 2):
-                    rates.setdefault((name, threads), []).append(pool_rate(work, count, threads))
-                held.setdefault(name, []).append(gil_held(work, count))
+                    runs.setdefault((name, threads), []).append(pooled(work, count, threads))
     found = {}
     for name in works:
-        one, two = (statistics.median(rates[name, t]) for t in (1, 2))
+        one, two = (statistics.median(run.rate for run in runs[name, t]) for t in (1, 2))
         found[f"{name}, 1 thread (samples/s)"] = one
         found[f"{name}, 2 threads (samples/s)"] = two
         found[f"{name}, speed-up at 2 threads"] = two / one
-        found[f"{name}, GIL held (% of its time)"] = 100 * statistics.median(held[name])
+        waits = [run.gil_wait for run in runs[name, 2]]
+        found[f"{name}, 2 threads' wait for the GIL (% of their time)"] = 100 * statistics.median(
+            waits
+        )
     return found
-
-
-def gil_held(work: Callable[[int], Any], items: int, repeats: int = 1) -> float:
-    """The share of ``work``'s own time (one thread, ``work(i)`` for ``i < items``) that holds
-    the GIL, measured the way ``worker_method="auto"`` measures GIL waits.
-
-    A thread that always needs the GIL (a counting loop) runs beside ``work``; the time it spends
-    neither on a CPU nor queued for one (:class:`~torch_spdl.auto.ThreadClock`: wall less CPU
-    less run-queue time) is time the GIL was held elsewhere, by ``work`` or in a hand-off between
-    the two (counted as held, so the figure errs high). Divided by ``work``'s time alone; a
-    GIL-free build reads about 0.
-
-    Other load on the machine lowers the figure: the counter, woken to take the GIL, may sit in
-    the run queue while ``work`` holds it again, and queued time is not counted (three busy
-    processes on 2 cores took pure Python from 1.0 to 0.3-0.6, and hashing a buffer from 0.02 to
-    at most 0.2). ``repeats`` measurements give their median, which single preemptions move
-    less.
-    """
-    return statistics.median(_gil_held_once(work, items) for _ in range(repeats))
-
-
-def _gil_held_once(work: Callable[[int], Any], items: int) -> float:
-    start = time.perf_counter()
-    for i in range(items):
-        work(i)
-    alone = time.perf_counter() - start
-    with _Counter() as counter:
-        for i in range(items):
-            work(i)
-    return counter.waited.waiting_s / alone
-
-
-class _Counter:
-    """A thread that needs the GIL all the time, timing its own wait for it, for the length of
-    a ``with`` block."""
-
-    def __init__(self) -> None:
-        self.waited = Tally()
-        self._stop = threading.Event()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gil counter")
-
-    def _run(self) -> None:
-        stopped, count = self._stop.is_set, 0
-        began = ThreadClock.read()
-        self._started.set()
-        while not stopped():
-            count += 1
-        self.waited.add(began, ThreadClock.read())
-
-    def __enter__(self) -> _Counter:
-        self._thread.start()
-        self._started.wait()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _group(thread: threading.Thread | None) -> str:
