@@ -35,8 +35,9 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   stage that cannot move (an unpicklable dataset, an iterable's stream, a script without a main
   guard). Where what processes would save of the rest of the pass (:meth:`Measured.gain`)
   would not pay for their start (:data:`COLD_START_S` where no fork server runs yet,
-  :data:`WARM_START_S` where one does), they start with the next pass and this one ends on
-  threads: on a small host, a stage near a threshold would give up seconds to save a tenth.
+  :data:`WARM_START_S` where one does, and the job's pickle at :data:`JOB_BYTES_PER_S`), they
+  start with the next pass and this one ends on threads: on a small host, a stage near a
+  threshold would give up seconds to save a tenth.
 
 A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
 ``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
