@@ -309,8 +309,9 @@ def test_a_larger_job_costs_its_workers_start_more(monkeypatch):
     monkeypatch.setattr(compat, "forkserver_running", lambda: False)
     assert auto.start_cost(73_000_000) == pytest.approx(auto.COLD_START_S + 0.73)
     bound = measured(stage_wait=0.6, busy_cores=1.0, workers=4)  # 1.25 s left, 0.75 s saved
-    small = decide(bound, cpus=16, remaining_tasks=100, start_s=0.2 + 200_000 / 100e6)
-    large = decide(bound, cpus=16, remaining_tasks=100, start_s=0.2 + 100_000_000 / 100e6)
+    warm, rate = auto.WARM_START_S, auto.JOB_BYTES_PER_S
+    small = decide(bound, cpus=16, remaining_tasks=100, start_s=warm + 200_000 / rate)
+    large = decide(bound, cpus=16, remaining_tasks=100, start_s=warm + 100_000_000 / rate)
     assert (small.deferred, large.deferred) == (False, True)
 
 
@@ -1292,11 +1293,11 @@ def test_workers_never_start_where_they_would_rerun_an_unguarded_script(
     assert unguarded_main() == (None if guarded else str(script))
     starter = PoolStarter(FetchJob(Indices(4), True, None), 2, 0, None, None, None)
     if guarded:
-        assert starter.unsafe() is None
+        assert starter.vet().why is None
     else:
-        assert "would run the main script again" in starter.unsafe()
+        assert "would run the main script again" in starter.vet().why
         # ... and "auto" says so where it would have chosen processes
-        decision = decide(measured(stage_wait=0.6), cpus=16, no_processes=starter.unsafe())
+        decision = decide(measured(stage_wait=0.6), cpus=16, no_processes=starter.vet().why)
         assert decision.executor == THREAD and "no `if __name__" in decision.reason
     # fork starts no script: nothing to guard against
     import multiprocessing
@@ -1395,7 +1396,7 @@ def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(m
     # a tensor in the job: its data is skipped, not copied, and names nothing
     dataset.weights = torch.zeros(4)
     starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, None, None, None)
-    reason = starter.unsafe()
+    reason = starter.vet().why
     if held == "nothing":
         assert reason is None
         return
@@ -1415,13 +1416,13 @@ def test_auto_starts_no_worker_for_a_script_read_from_stdin(monkeypatch, tmp_pat
     main = notebook_main(monkeypatch)
     main.__file__ = "<stdin>"
     starter = PoolStarter(FetchJob(Indices(4), True, None), 2, 0, None, None, None)
-    assert starter.unsafe() == (
+    assert starter.vet().why == (
         "the main script was read from <stdin>, which worker processes cannot import"
     )
     script = tmp_path / "train.py"
     script.write_text("if __name__ == '__main__':\n    main()\n")
     main.__file__ = str(script)  # a script with a file: its workers import it
-    assert starter.unsafe() is None
+    assert starter.vet().why is None
 
 
 GUARDED_SCRIPT = """
@@ -1468,10 +1469,10 @@ def test_auto_starts_no_worker_that_could_not_unpickle_what_the_main_guard_defin
     collate = functools.partial(notebook_transform) if held == "function" else None
     starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, None, None, None)
     if held == "nothing":
-        assert starter.unsafe() is None
+        assert starter.vet().why is None
         return
     name = {"class": "NotebookSamples", "function": "notebook_transform"}[held]
-    assert starter.unsafe() == (
+    assert starter.vet().why == (
         f"worker processes cannot unpickle {name}: defined under the main script's "
         '`if __name__ == "__main__":` guard, which they do not run (define it at the script\'s '
         "top level, or in a module)"
@@ -1505,7 +1506,7 @@ def test_forked_workers_need_no_main_module(monkeypatch):
     notebook_main(monkeypatch)
     context = multiprocessing.get_context("fork")
     job = FetchJob(NotebookSamples(4), True, None)
-    assert PoolStarter(job, 2, 0, None, context, None).unsafe() is None
+    assert PoolStarter(job, 2, 0, None, context, None).vet().why is None
 
 
 @pytest.mark.parametrize("chosen", [PROCESS, THREAD])
@@ -1606,7 +1607,7 @@ def test_auto_keeps_a_stage_on_threads_where_workers_copies_would_not_fit(monkey
     dataset = Holding(4, np.zeros((8 << 10, 1 << 11), dtype=np.uint8)[:, ::2])  # 8 MiB, gapped
 
     def reason(workers: int) -> str | None:
-        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).unsafe()
+        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).vet().why
 
     assert reason(1) is None  # 8 MiB of 256: under 1/16
     said = reason(2)
@@ -1632,7 +1633,7 @@ def test_the_copy_workers_share_counts_once_against_the_hosts_memory(monkeypatch
 
     def reason(array_mib: int, workers: int) -> str | None:
         dataset = Holding(4, np.zeros(array_mib << 20, dtype=np.uint8))
-        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).unsafe()
+        return PoolStarter(FetchJob(dataset, True, None), workers, 0, None, None, None).vet().why
 
     assert reason(12, 1) is None and reason(12, 16) is None  # 12 MiB of 256: under 1/16
     said = reason(20, 2)

@@ -846,10 +846,6 @@ class PoolStarter:
         start_forkserver()
         return True
 
-    def unsafe(self) -> str | None:
-        """Why ``"auto"`` must not start these workers, or None (see :meth:`vet`)."""
-        return self.vet().why
-
     def vet(self) -> Vetting:
         """Whether ``"auto"`` may start these workers, and the size of what each is sent. Not
         where a main module they could not import, or a script without a main guard that they

@@ -131,10 +131,8 @@ def thread_scaling(root: Path, items: int = 256, rounds: int = 3) -> dict[str, f
         found[f"{name}, 1 thread (samples/s)"] = one
         found[f"{name}, 2 threads (samples/s)"] = two
         found[f"{name}, speed-up at 2 threads"] = two / one
-        waits = [run.gil_wait for run in runs[name, 2]]
-        found[f"{name}, 2 threads' wait for the GIL (% of their time)"] = 100 * statistics.median(
-            waits
-        )
+        wait = statistics.median(run.gil_wait for run in runs[name, 2])
+        found[f"{name}, 2 threads' wait for the GIL (% of their time)"] = 100 * wait
     return found
 
 
