@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,6 +33,48 @@ def test_the_hosts_ticks_are_read_and_only_grow():
     assert all(b >= a for a, b in zip(first, second, strict=True)) and second.total > first.total
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_the_ticks_of_some_cpus_are_their_lines_summed():
+    own = sorted(os.sched_getaffinity(0))
+    machine, each = steal.cpu_ticks(), [steal.cpu_ticks({cpu}) for cpu in own]
+    assert machine is not None and all(ticks is not None for ticks in each)
+    both = steal.cpu_ticks(own)
+    assert both is not None and both.total >= sum(ticks.total for ticks in each)
+    assert both.total <= machine.total + 100 * len(own)  # read a moment after the machine's
+    assert steal.cpu_ticks({max(own) + 4096}) is None  # no such CPU
+
+
+def test_other_programs_cores_are_the_cpus_time_less_this_processs():
+    before, after = CpuTicks(1000, 0, 2000), CpuTicks(1150, 0, 2200)  # 1.5 s ran over 1 s
+    assert steal.elsewhere_cores(before, after, 0.5, 1.0) == pytest.approx(1.0)
+    assert steal.elsewhere_cores(before, after, 2.0, 1.0) == 0.0  # ticks lag the exact clock
+    assert steal.elsewhere_cores(None, after, 0.5, 1.0) == 0.0
+    assert steal.elsewhere_cores(before, after, 0.5, 0.0) == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_a_busy_child_process_is_another_program_to_a_trial():
+    """A fork server importing torch beside a trial is such a program: a trial that sleeps
+    while a child computes reads it as other programs' cores, never as its own."""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass",
+        ]
+    )
+    try:
+        time.sleep(0.1)  # the child is up and computing
+        trial = Trial(2)
+        trial.run(lambda task: task, 0)  # the window begins
+        time.sleep(0.4)
+        figures = trial.measured()
+    finally:
+        child.wait()
+    assert figures.others_cores >= 0.5, figures.others_cores
+    assert figures.process_cpu_s < 0.1
+
+
 def test_stolen_cpu_time_counts_as_the_spans_own_within_their_unqueued_time():
     spans = Tally(wall=1.0, cpu=0.8, queue=0.1, count=4)
     assert spans.unstolen(0.1).cpu == pytest.approx(0.88)
@@ -45,7 +90,8 @@ def test_a_trial_counts_what_the_hypervisor_took_as_its_threads_cpu_time(monkeyp
     read as waiting for the GIL 9-45 %, and went to processes in 5 of 6 trials): the time was
     the hypervisor's, and the stage stays on threads."""
     ticks = iter([CpuTicks(1000, 0, 1000), CpuTicks(1900, 90, 2000)])  # 90 of 900: 10 %
-    monkeypatch.setattr(steal, "cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(steal, "cpu_ticks", lambda cpus=None: next(ticks))
+    monkeypatch.setattr(steal, "elsewhere_cores", lambda *args: 0.0)  # no other programs ran
     trial = Trial(2)
     assert trial.run(lambda task: task, 7) == 7  # the window begins, with the first reading
     trial.stage = Tally(wall=1.0, cpu=0.87, queue=0.04, count=20)
@@ -54,6 +100,7 @@ def test_a_trial_counts_what_the_hypervisor_took_as_its_threads_cpu_time(monkeyp
     assert figures.stolen == pytest.approx(0.1)
     assert figures.stage.cpu == pytest.approx(0.957) and figures.stage_wait < auto.STAGE_WAIT
     assert "the hypervisor took 10% more CPU time" in figures.describe()
-    assert decide(figures, cpus=2).executor == THREAD
+    decision = decide(figures, cpus=2)
+    assert decision.executor == THREAD and not decision.measure_again
     as_read = auto.Measured(**{**figures.__dict__, "stage": trial.stage, "stolen": 0.0})
     assert as_read.stage_wait >= auto.STAGE_WAIT and decide(as_read, cpus=2).executor == PROCESS

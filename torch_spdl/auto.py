@@ -39,6 +39,14 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   start with the next pass and this one ends on threads: on a small host, a stage near a
   threshold would give up seconds to save a tenth.
 
+A trial that would say threads while other programs kept busy the cores its threads could have
+used (:data:`CROWDED`, :meth:`Measured.crowded`) says nothing: its threads waited for cores
+rather than for the GIL, so a stage the GIL binds reads as one it does not. The stage goes on
+measuring, on the same threads, until a trial can tell; a pass that ends first keeps nothing,
+and the next measures again. A decision is kept for the loader's later passes, so one taken
+while a fork server imported torch beside the trial, or a training script's compile workers
+held every core, would have held for the whole job.
+
 A stage thread's waiting is its time neither on a CPU nor waiting for one: Linux's per-thread
 ``schedstat`` gives both (elsewhere the thread's CPU time is read, and run-queue time counts as
 waiting); on a virtual machine, the CPU time its hypervisor took from under the host's running
@@ -80,6 +88,9 @@ CONSUMER_HELD = 0.3  # share of its steps the training loop is held off by the G
 # wait for a core included (on 2 busy cores: 0.44-0.64 beside PIL's threads, mostly 0.45 or more
 # beside tensor transforms', 0.02-0.21 beside work that frees the GIL)
 GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops is slowed
+CROWDED = 0.5  # of a core: what other programs may take of the cores the trial's threads could
+# use before its figures cannot tell whether the GIL binds (a thread waiting for a core is not
+# waiting for the GIL: on 2 cores beside two busy programs, PIL's threads read a 1-4 % wait)
 KNOCK_TRIM = 0.05  # the share of the probe's knocks left out of its mean wait at each end
 ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
 KNOCK_S = 0.001  # how long the probe sleeps between knocks
@@ -218,6 +229,7 @@ class Measured:
     # window: counted in the threads' CPU time above (:meth:`Tally.unstolen`)
     consumer_switches: tuple[int, int] = (0, 0)  # the training loop's voluntary and involuntary
     # context switches in its steps (:func:`context_switches`)
+    others_cores: float = 0.0  # the cores other programs kept busy on this process's CPUs
 
     @property
     def busy_cores(self) -> float:
@@ -313,6 +325,13 @@ class Measured:
         on_cpu, queued = self.stage.cpu / wall, self.stage_queued
         return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
 
+    def crowded(self, cpus: int) -> bool:
+        """Whether other programs took cores the trial's threads could have used: their wait
+        for the GIL, if any, was then spent waiting for a core instead, and a stage the GIL
+        binds reads as one it does not (a fork server importing torch beside a trial on 2 cores;
+        a training script's compile workers on all of them)."""
+        return cpus - self.others_cores < min(self.workers, cpus) - CROWDED
+
     def gain(self, cpus: int) -> float:
         """The share of the stage's time worker processes would save, the largest of: the cores
         its threads leave idle, of those its workers could use beside the training loop (cores
@@ -344,6 +363,7 @@ class Measured:
             f"{self._woken()}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
             f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}{self._stolen()}"
+            f"{self._others()}"
         )
 
     def _woken(self) -> str:
@@ -355,6 +375,11 @@ class Measured:
         if self.stolen < 0.005:
             return ""
         return f"; the hypervisor took {self.stolen:.0%} more CPU time, counted as the threads'"
+
+    def _others(self) -> str:
+        if self.others_cores < 0.05:
+            return ""
+        return f"; other programs kept {self.others_cores:.1f} cores busy"
 
     def _workers(self) -> str:
         if self.threads > self.workers:
@@ -374,18 +399,28 @@ class Decision:
     # processes whose start the pass gave up on, waiting for their fork server: whether they can
     # start is not known, so the next pass starts them as a switch does (threads if they cannot)
     untried: bool = False
+    # the trial could not tell: other programs took the cores its threads needed, and the stage
+    # measures again (a decision not acted on, nor kept)
+    measure_again: bool = False
 
     def __str__(self) -> str:
         figures = "" if self.measured is None else f" ({self.measured.describe()})"
-        return f"worker_method='auto' chose {self.executor}: {self.reason}{figures}"
+        chose = "is measuring again" if self.measure_again else f"chose {self.executor}"
+        return f"worker_method='auto' {chose}: {self.reason}{figures}"
 
 
 def cores() -> int:
     """The CPUs this process may run on."""
+    own = _own_cpus()
+    return len(own) if own is not None else os.cpu_count() or 1
+
+
+def _own_cpus() -> set[int] | None:
+    """The CPUs this process may run on, where the platform says (Linux)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
 
 
 def decide(
@@ -425,6 +460,12 @@ def decide(
             if io and measured.stage_wait >= STAGE_WAIT
             else "the GIL does not bind it"
         )
+        if measured.crowded(cpus):
+            why = (
+                f"{why} as far as it could see, but other programs kept "
+                f"{measured.others_cores:.1f} of the {cpus} cores busy"
+            )
+            return Decision(THREAD, why, measured, free=True, measure_again=True)
         return Decision(THREAD, why, measured, free=True)
     bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
     if inline_possible and measured.batch_cpu_s < INLINE_BATCH_S:
@@ -551,16 +592,24 @@ class Trial:
 
     def widened(self) -> Trial:
         """A trial on all the stage's threads, over the tasks this one has not begun."""
+        return self._next(max(self.threads, self.workers))
+
+    def again(self) -> Trial:
+        """A trial on the same threads, over the tasks this one has not begun: this one's
+        figures could not tell (:attr:`Decision.measure_again`)."""
+        return self._next(self.workers)
+
+    def _next(self, workers: int) -> Trial:
         with self._lock:
             warmed = set(self.warmed)
-        wide = max(self.threads, self.workers)
-        return Trial(wide, self.tasks_per_batch, self.remaining(), warmed=warmed)
+        threads = self.threads if workers < self.threads else 0
+        return Trial(workers, self.tasks_per_batch, self.remaining(), threads, warmed=warmed)
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
         with self._lock:
             if self._began is None:
-                self._ticks = steal.cpu_ticks()
+                self._ticks = steal.cpu_ticks(_own_cpus())
                 self._process_cpu = time.process_time()
                 self._began = time.perf_counter()
             self.started += 1
@@ -650,12 +699,14 @@ class Trial:
         with self._lock:
             now = time.perf_counter()
             window = now - (self._began or now)
-            stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks())
+            ticks = steal.cpu_ticks(_own_cpus())
+            stolen = steal.stolen_ratio(self._ticks, ticks)
+            process_cpu = time.process_time() - self._process_cpu
             return Measured(
                 self.stage.unstolen(stolen),
                 self.consumer.unstolen(stolen),
                 window,
-                (time.process_time() - self._process_cpu) * (1.0 + stolen),
+                process_cpu * (1.0 + stolen),
                 self.workers,
                 self.tasks_per_batch,
                 now - (self._first_step or now),
@@ -664,6 +715,7 @@ class Trial:
                 self.threads,
                 stolen,
                 (self.consumer_switches[0], self.consumer_switches[1]),
+                steal.elsewhere_cores(self._ticks, ticks, process_cpu, window),
             )
 
 

@@ -185,6 +185,8 @@ class StatsProbe:
         decision = decision or self.plan.decision
         if decision is not None:
             return str(decision)
+        if self.switch is not None and self.switch.unsure is not None:
+            return str(self.switch.unsure)
         if self.switch is not None:
             return "worker_method='auto' is measuring the first batches on threads"
         return ""

@@ -91,6 +91,7 @@ class Switch:
         self.trial = trial
         self.route = route
         self.decision: Decision | None = None
+        self.unsure: Decision | None = None  # the last trial's, where it measures again
         self._lock = threading.Lock()
         self._ids = threading.local()  # this thread's worker id, and whether it is bound
         self._pool: ProcessPool | None = None
@@ -139,6 +140,9 @@ class Switch:
             self.trial = None
             trial.stop()
             decision = self._conclude(trial)
+            if decision.measure_again:  # other programs took the cores: this trial could not tell
+                self.trial, self.unsure = trial.again(), decision
+                return
             if decision.free and trial.narrow:
                 # the GIL does not bind a few threads: whether it binds all of them decides
                 self.trial = trial.widened()
