@@ -53,6 +53,12 @@ def tally(cpu: float, waiting: float, queued: float, count: int) -> Tally:
     return Tally(wall=wall, cpu=cpu, queue=queued * wall, count=count)
 
 
+def lasted(trial: Trial) -> None:
+    """Make ``trial`` one whose window and stage's work have lasted long enough to decide."""
+    trial._began = time.perf_counter() - 1
+    trial.working.seconds = 1.0
+
+
 GIL_ON = gil.gil_enabled()  # free-threaded Python with the GIL off: threads are where stages scale
 
 
@@ -362,7 +368,7 @@ def test_a_trial_waits_for_two_tasks_per_worker_a_batch_and_half_the_pass_at_mos
 def test_a_trial_of_long_tasks_needs_one_per_worker():
     def ready(count: int, task_s: float) -> bool:
         trial = Trial(4)
-        trial._began = time.perf_counter() - 1  # a trial that has run long enough
+        lasted(trial)  # a trial that has run long enough
         trial.consumer.count = auto.TRIAL_STEPS
         trial.stage.count, trial.stage.wall = count, count * task_s
         return trial.ready()
@@ -427,13 +433,20 @@ def test_a_threads_first_task_is_delivered_but_not_measured():
 def test_a_trial_decides_on_a_task_past_its_threads_first():
     def ready(first: int, measured: int, task_s: float = 0.001) -> bool:
         trial = Trial(2)
-        trial._began = time.perf_counter() - 1  # a trial that has run long enough
+        lasted(trial)  # a trial that has run long enough
         trial.consumer.count = auto.TRIAL_STEPS
         trial.first.count, trial.first.wall = first, first * task_s
         trial.stage.count, trial.stage.wall = measured, measured * task_s
         return trial.ready()
 
     assert ready(2, 2)  # two tasks per worker, one of each measured
+    trial = Trial(2)
+    trial.run(lambda task: task, 0)  # the window begins
+    trial._began -= 1  # a second ago, the stage idle since (the loop's first step, slow)
+    trial.consumer.count, trial.first.count, trial.stage.count = auto.TRIAL_STEPS, 2, 2
+    assert not trial.ready()  # too little of the stage's work seen
+    trial.working.seconds = auto.TRIAL_S
+    assert trial.ready()
     assert not ready(4, 0)  # only first tasks (a widened trial's new threads): none measured
     assert not ready(2, 1)
     assert ready(2, 1, task_s=auto.TRIAL_S)  # long tasks: one per worker, and one measured
@@ -526,7 +539,7 @@ def ready_switch(trial: Trial, conclude, make_pool=None, **kw) -> Switch:
     """A switch whose trial is ready at its next task."""
     switch = doubling(trial, conclude, make_pool, **kw)
     switch.on_start(0)
-    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    lasted(trial)  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
     trial.stage.count = trial.needed
     return switch
@@ -547,7 +560,7 @@ def test_threads_chosen_on_a_few_threads_are_measured_again_on_all_of_them(no_le
     assert wide is not None and wide is not narrow and not wide.narrow
     assert switch.decision is None and switch.route == THREAD
     assert switch.gate.width >= 8  # every thread takes tasks now
-    wide._began = time.perf_counter() - 1
+    lasted(wide)
     wide.consumer.count, wide.stage.count = auto.TRIAL_STEPS, wide.needed
     assert switch(2) == 4  # the wide trial decides for good
     assert concluded == [(4, 100), (8, 100 - narrow.started)]
@@ -591,6 +604,35 @@ def test_threads_chosen_while_other_programs_held_the_cores_are_measured_again()
     assert dataclasses.replace(crowded, workers=4, others_cores=13.0).crowded(16)
 
 
+def test_threads_that_seem_to_wait_on_io_while_the_loop_held_a_cpu_are_measured_again():
+    """A first step that compiles the model in Python holds the GIL for seconds: the stage's
+    threads wait for it, off the CPU, as they would for I/O."""
+    held = measured(stage_wait=0.6, busy_cores=0.3, workers=2, consumer_cpu=0.8)
+    assert held.loop_busy == pytest.approx(0.8)
+    decision = decide(held, cpus=2)
+    assert decision.executor == THREAD and decision.measure_again
+    assert "the training loop was on a CPU for 80% of that time" in decision.reason
+    idle_loop = measured(stage_wait=0.6, busy_cores=0.3, workers=2, consumer_cpu=0.01)
+    decision = decide(idle_loop, cpus=2)
+    assert decision.executor == THREAD and not decision.measure_again
+    assert decision.reason == "its threads wait on I/O, not on the GIL"
+
+
+def test_a_trials_cores_are_counted_over_the_time_its_tasks_ran():
+    """Idle between tasks (the training loop slow to ask for more), the stage is not a loader
+    that keeps fewer cores busy; two tasks at once are one span of work."""
+    trial = Trial(2)
+    trial.run(time.sleep, 0.15)
+    time.sleep(0.3)  # the stage idles: no task to run
+    both = [threading.Thread(target=trial.run, args=(time.sleep, 0.15)) for _ in range(2)]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join()
+    worked = trial.measured().window_s
+    assert 0.29 <= worked < 0.45, worked  # 0.15 + 0.15: neither the idle 0.3 s nor 0.15 twice
+
+
 def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no_leak):
     kept, concluded = [], []
     answers = iter(
@@ -609,7 +651,7 @@ def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no
     assert switch.gate is not None and switch.gate.width == auto.TRIAL_THREADS
     assert (switch.decision, kept, switch.route) == (None, [], THREAD)
     assert switch.unsure is not None and "is measuring again: crowded" in str(switch.unsure)
-    again._began = time.perf_counter() - 1
+    lasted(again)
     again.consumer.count, again.stage.count = auto.TRIAL_STEPS, again.needed
     switch(2)  # this one decides
     assert concluded == [(4, 100, True), (4, 100 - narrow.started, True)]
@@ -776,7 +818,7 @@ def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_th
         keep=kept.append,
     )
     switch.on_start(0)
-    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    lasted(trial)  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
     assert [switch(task) for task in range(3)] == [0, 2, 4]
     assert switch.decision is not None and switch.decision.deferred
@@ -906,7 +948,7 @@ def test_processes_that_cannot_start_leave_the_stage_on_threads(no_leak):
         trial=trial,
     )
     switch.on_start(0)
-    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    lasted(trial)  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
     assert [switch(task) for task in range(4)] == [0, 2, 4, 6]
     switch.close()
@@ -942,7 +984,7 @@ def test_a_stage_hands_its_processes_over_only_where_it_says_so(no_leak, hands_o
         hands_over=hands_over,
     )
     switch.on_start(0)
-    trial._began = time.perf_counter() - 1  # a trial that has run long enough
+    lasted(trial)  # a trial that has run long enough
     trial.consumer.count = auto.TRIAL_STEPS
     assert [switch(task) for task in tasks[:-1]] == [2 * task for task in tasks[:-1]]
     assert switch.decision is None  # so no task above can have met the pool
@@ -1016,6 +1058,27 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     got, pids = indices_of(loader)
     assert got == expected and os.getpid() not in pids
     assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
+@pytest.mark.skipif(not GIL_ON, reason="with the GIL off the stage stays on threads")
+@pytest.mark.parametrize("first_step", ["waits", "runs Python"])
+def test_a_slow_first_step_does_not_keep_a_gil_bound_stage_on_threads(no_child_left, first_step):
+    """A training loop's first step can take seconds (compiling the model: Python in the loop's
+    thread, or compile workers it waits for). The stage makes its batches in flight, then idles
+    or waits for the GIL the loop holds: over the whole window two busy threads read as 0.2-0.3
+    cores, a loader waiting on I/O, and threads were kept for the loader's later passes."""
+    loader = torch_spdl.DataLoader(PythonSamples(1200, 20_000), batch_size=8, num_workers=2)
+    seen = []
+    for index, _ in loader:
+        if not seen:
+            end = time.perf_counter() + 2.0
+            while time.perf_counter() < end:
+                if first_step == "waits":
+                    time.sleep(0.01)
+        seen += index.tolist()
+    assert seen == list(range(1200))
+    kept = loader._auto.decision
+    assert kept is None or kept.executor == PROCESS, str(kept)  # None: still measuring
 
 
 class ThreadedSamples(PythonSamples):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -44,12 +45,11 @@ def test_the_ticks_of_some_cpus_are_their_lines_summed():
     assert steal.cpu_ticks({max(own) + 4096}) is None  # no such CPU
 
 
-def test_other_programs_cores_are_the_cpus_time_less_this_processs():
-    before, after = CpuTicks(1000, 0, 2000), CpuTicks(1150, 0, 2200)  # 1.5 s ran over 1 s
-    assert steal.elsewhere_cores(before, after, 0.5, 1.0) == pytest.approx(1.0)
-    assert steal.elsewhere_cores(before, after, 2.0, 1.0) == 0.0  # ticks lag the exact clock
-    assert steal.elsewhere_cores(None, after, 0.5, 1.0) == 0.0
-    assert steal.elsewhere_cores(before, after, 0.5, 0.0) == 0.0
+def test_other_programs_time_is_the_cpus_time_less_this_processs():
+    before, after = CpuTicks(1000, 0, 2000), CpuTicks(1150, 0, 2200)  # 1.5 s ran
+    assert steal.elsewhere_s(before, after, 0.5) == pytest.approx(1.0)
+    assert steal.elsewhere_s(before, after, 2.0) == 0.0  # ticks lag the exact clock
+    assert steal.elsewhere_s(None, after, 0.5) == 0.0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
@@ -66,8 +66,7 @@ def test_a_busy_child_process_is_another_program_to_a_trial():
     try:
         time.sleep(0.1)  # the child is up and computing
         trial = Trial(2)
-        trial.run(lambda task: task, 0)  # the window begins
-        time.sleep(0.4)
+        trial.run(lambda task: time.sleep(0.4), 0)  # a task that waits, as on I/O
         figures = trial.measured()
     finally:
         child.wait()
@@ -89,9 +88,10 @@ def test_a_trial_counts_what_the_hypervisor_took_as_its_threads_cpu_time(monkeyp
     took a tenth of the time its CPUs ran (as measured on the 2-core machine: a stage of hashes
     read as waiting for the GIL 9-45 %, and went to processes in 5 of 6 trials): the time was
     the hypervisor's, and the stage stays on threads."""
-    ticks = iter([CpuTicks(1000, 0, 1000), CpuTicks(1900, 90, 2000)])  # 90 of 900: 10 %
+    # the window's first reading, then its last (90 of 900: 10 %) at every later one
+    ticks = itertools.chain([CpuTicks(1000, 0, 1000)], itertools.repeat(CpuTicks(1900, 90, 2000)))
     monkeypatch.setattr(steal, "cpu_ticks", lambda cpus=None: next(ticks))
-    monkeypatch.setattr(steal, "elsewhere_cores", lambda *args: 0.0)  # no other programs ran
+    monkeypatch.setattr(steal, "elsewhere_s", lambda *args: 0.0)  # no other programs ran
     trial = Trial(2)
     assert trial.run(lambda task: task, 7) == 7  # the window begins, with the first reading
     trial.stage = Tally(wall=1.0, cpu=0.87, queue=0.04, count=20)

@@ -22,9 +22,10 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   :data:`GIL_WAIT_S` or more. A loop that launches ops takes the GIL back after each one, every
   few microseconds, and pays that wait each time (CUDA's synchronisation spins on the CPU by
   default, so a loop waiting for its GPU is on a CPU, not waiting). Either counts only while the
-  loader (the process, less the training loop's steps) keeps :data:`BUSY_CORES` cores busy, or
-  would but for other programs (its threads' time in the run queue counts as busy): time off
-  the CPU in a loader that is mostly idle is I/O, which threads do well.
+  loader (the process, less the training loop's steps) keeps :data:`BUSY_CORES` cores busy
+  while its stage works (:class:`WorkingTime`), or would but for other programs (its threads'
+  time in the run queue counts as busy): time off the CPU in a loader that is mostly idle is
+  I/O, which threads do well.
 - **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
   GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
   process costs about as much as the work.
@@ -41,7 +42,9 @@ on its threads as usual (and delivered as usual), then picks one of three execut
 
 A trial that would say threads while other programs kept busy the cores its threads could have
 used (:data:`CROWDED`, :meth:`Measured.crowded`) says nothing: its threads waited for cores
-rather than for the GIL, so a stage the GIL binds reads as one it does not. The stage goes on
+rather than for the GIL, so a stage the GIL binds reads as one it does not. Nor does one whose
+threads read as waiting on I/O while the training loop was on a CPU :data:`LOOP_BUSY` of the
+time the stage worked: they may have waited for the GIL the loop held. The stage goes on
 measuring, on the same threads, until a trial can tell; a pass that ends first keeps nothing,
 and the next measures again. A decision is kept for the loader's later passes, so one taken
 while a fork server imported torch beside the trial, or a training script's compile workers
@@ -91,6 +94,10 @@ GIL_WAIT_S = 100e-6  # mean wait for the GIL past which a loop that launches ops
 CROWDED = 0.5  # of a core: what other programs may take of the cores the trial's threads could
 # use before its figures cannot tell whether the GIL binds (a thread waiting for a core is not
 # waiting for the GIL: on 2 cores beside two busy programs, PIL's threads read a 1-4 % wait)
+LOOP_BUSY = 0.5  # share of the stage's working time the training loop was on a CPU past which
+# its threads' time off a CPU may be a wait for the GIL the loop held, not I/O (a first step
+# compiling the model in Python for 4 s on 2 cores: the PIL path read as a loader that waits on
+# I/O, 0.2-0.3 cores busy)
 KNOCK_TRIM = 0.05  # the share of the probe's knocks left out of its mean wait at each end
 ONE_CORE = 1.3  # busy cores under which threads on a CPU are taking turns on the GIL
 KNOCK_S = 0.001  # how long the probe sleeps between knocks
@@ -107,7 +114,7 @@ WARM_START_S = 0.2  # from a running fork server: each worker forks and starts (
 # them busy)
 JOB_BYTES_PER_S = 100e6  # and the job's pickle: packed here once, unpacked by each worker (1.28 M
 # ImageFolder samples, a 73 MB pickle, added 0.77 s idle and 1.1 s busy on 2 cores)
-TRIAL_S = 0.3  # the least time the trial lasts, once it has enough tasks and steps
+TRIAL_S = 0.3  # the least time the trial's stage works, once it has enough tasks and steps
 TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
 TRIAL_THREADS = 4  # the threads a trial begins on: a stage the GIL binds on so few goes to
@@ -211,13 +218,57 @@ class Tally:
         return self.queue / self.wall if self.wall > 0 else 0.0
 
 
+@dataclass
+class WorkingTime:
+    """The time at least one of the stage's tasks ran, and the CPU time other programs ran on the
+    process's CPUs meanwhile. A trial's figures of cores are over this time, not over its whole
+    window: a training loop whose first steps are slow (compiling the model, tuning its kernels)
+    leaves the stage idle for seconds once its batches in flight are made, and over the window
+    a loader that keeps two cores busy while it works read as keeping 0.2-0.3 of one, which the
+    rule takes for a loader that waits on I/O (2 cores, a first step of 4 s)."""
+
+    seconds: float = 0.0
+    others_s: float = 0.0
+    running: int = 0  # the stage's tasks running now
+    _since: tuple[float, float, steal.CpuTicks | None] | None = None  # the open span's start
+
+    def task_began(self) -> None:
+        self.running += 1
+        if self.running == 1:
+            self._since = _now()
+
+    def task_ended(self) -> None:
+        self.running -= 1
+        if self.running == 0 and self._since is not None:
+            self.seconds, self.others_s = self.totals()
+            self._since = None
+
+    def worked_s(self) -> float:
+        """The seconds worked so far, an open span's included."""
+        since = self._since
+        return self.seconds + (time.perf_counter() - since[0] if since is not None else 0.0)
+
+    def totals(self) -> tuple[float, float]:
+        """The seconds worked and other programs' CPU seconds so far, an open span's included."""
+        if self._since is None:
+            return self.seconds, self.others_s
+        (wall, cpu, ticks), (wall_now, cpu_now, ticks_now) = self._since, _now()
+        elsewhere = steal.elsewhere_s(ticks, ticks_now, cpu_now - cpu)
+        return self.seconds + wall_now - wall, self.others_s + elsewhere
+
+
+def _now() -> tuple[float, float, steal.CpuTicks | None]:
+    """The wall clock, this process's CPU time and its CPUs' ticks, now."""
+    return time.perf_counter(), time.process_time(), steal.cpu_ticks(_own_cpus())
+
+
 @dataclass(frozen=True)
 class Measured:
     """What a trial saw: the stage's threads, the training loop's steps, the process."""
 
     stage: Tally
     consumer: Tally  # the training loop between a batch and its next request
-    window_s: float  # from the trial's first task to its end
+    window_s: float  # the time the stage worked, from the trial's first task to its end
     process_cpu_s: float  # CPU time of the whole process over the window
     workers: int
     tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
@@ -229,7 +280,8 @@ class Measured:
     # window: counted in the threads' CPU time above (:meth:`Tally.unstolen`)
     consumer_switches: tuple[int, int] = (0, 0)  # the training loop's voluntary and involuntary
     # context switches in its steps (:func:`context_switches`)
-    others_cores: float = 0.0  # the cores other programs kept busy on this process's CPUs
+    others_cores: float = 0.0  # the cores other programs kept busy on this process's CPUs,
+    # while the stage worked
 
     @property
     def busy_cores(self) -> float:
@@ -324,6 +376,12 @@ class Measured:
             return False
         on_cpu, queued = self.stage.cpu / wall, self.stage_queued
         return on_cpu >= 0.5 and queued < 0.2 and BUSY_CORES <= self.busy_cores < ONE_CORE
+
+    @property
+    def loop_busy(self) -> float:
+        """The training loop's CPU time in its steps over the stage's working time: while it
+        runs Python, it holds the GIL that the stage's threads would wait for."""
+        return self.consumer.cpu / self.window_s if self.window_s > 0 else 0.0
 
     def crowded(self, cpus: int) -> bool:
         """Whether other programs took cores the trial's threads could have used: their wait
@@ -460,11 +518,9 @@ def decide(
             if io and measured.stage_wait >= STAGE_WAIT
             else "the GIL does not bind it"
         )
-        if measured.crowded(cpus):
-            why = (
-                f"{why} as far as it could see, but other programs kept "
-                f"{measured.others_cores:.1f} of the {cpus} cores busy"
-            )
+        unsure = _unsure(measured, cpus, io)
+        if unsure is not None:
+            why = f"{why} as far as it could see, but {unsure}"
             return Decision(THREAD, why, measured, free=True, measure_again=True)
         return Decision(THREAD, why, measured, free=True)
     bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
@@ -487,6 +543,18 @@ def decide(
             PROCESS, f"{bound}: worker processes {NEXT_PASS}: {saved}", measured, deferred=True
         )
     return Decision(PROCESS, f"{bound}: worker processes", measured)
+
+
+def _unsure(measured: Measured, cpus: int, io: bool) -> str | None:
+    """Why the trial's figures cannot tell that the GIL does not bind the stage, or None: other
+    programs took the cores (its threads waited for cores, not for the GIL), or the training
+    loop was on a CPU most of the time the stage worked (what read as waiting on I/O may have
+    been a wait for the GIL the loop held: a first step that compiles the model)."""
+    if measured.crowded(cpus):
+        return f"other programs kept {measured.others_cores:.1f} of the {cpus} cores busy"
+    if io and measured.loop_busy >= LOOP_BUSY:
+        return f"the training loop was on a CPU for {measured.loop_busy:.0%} of that time"
+    return None
 
 
 def _left_s(measured: Measured, remaining_tasks: int | None) -> float | None:
@@ -570,6 +638,7 @@ class Trial:
     _began: float | None = None
     _process_cpu: float = 0.0
     _ticks: steal.CpuTicks | None = None  # the host's CPU ticks as the window began
+    working: WorkingTime = field(default_factory=WorkingTime)
     _step_began: tuple[float, float, float] | None = None
     _step_switches: tuple[int, int] = (0, 0)  # the loop's context switches as its step began
     consumer_switches: list[int] = field(default_factory=lambda: [0, 0])  # in its steps
@@ -613,6 +682,7 @@ class Trial:
                 self._process_cpu = time.process_time()
                 self._began = time.perf_counter()
             self.started += 1
+            self.working.task_began()
         begin = ThreadClock.read()
         try:
             return fn(task)
@@ -622,6 +692,7 @@ class Trial:
             with self._lock:
                 (self.stage if thread in self.warmed else self.first).add(begin, end)
                 self.warmed.add(thread)
+                self.working.task_ended()
 
     def step_ended(self) -> None:
         """The training loop asks for a batch: the step since the last one ends here."""
@@ -678,7 +749,7 @@ class Trial:
             began is not None
             and self._enough_tasks()
             and self.consumer.count >= TRIAL_STEPS
-            and time.perf_counter() - began >= TRIAL_S
+            and self.working.worked_s() >= TRIAL_S
         )
 
     def _enough_tasks(self) -> bool:
@@ -698,15 +769,13 @@ class Trial:
         GIL whose holder lost its CPU was not free)."""
         with self._lock:
             now = time.perf_counter()
-            window = now - (self._began or now)
-            ticks = steal.cpu_ticks(_own_cpus())
-            stolen = steal.stolen_ratio(self._ticks, ticks)
-            process_cpu = time.process_time() - self._process_cpu
+            worked_s, others_s = self.working.totals()
+            stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks(_own_cpus()))
             return Measured(
                 self.stage.unstolen(stolen),
                 self.consumer.unstolen(stolen),
-                window,
-                process_cpu * (1.0 + stolen),
+                worked_s,
+                (time.process_time() - self._process_cpu) * (1.0 + stolen),
                 self.workers,
                 self.tasks_per_batch,
                 now - (self._first_step or now),
@@ -715,7 +784,7 @@ class Trial:
                 self.threads,
                 stolen,
                 (self.consumer_switches[0], self.consumer_switches[1]),
-                steal.elsewhere_cores(self._ticks, ticks, process_cpu, window),
+                others_s / worked_s if worked_s > 0 else 0.0,
             )
 
 

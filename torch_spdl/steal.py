@@ -14,7 +14,7 @@ is corrected.
 **Other programs** (this process's children among them: a fork server importing its modules)
 take cores too. A thread waiting for one is not waiting for the GIL, so where they took the cores
 a trial's threads needed, the trial cannot tell whether the GIL binds
-(:meth:`torch_spdl.auto.Measured.crowded`). :func:`elsewhere_cores` is what ran on this process's
+(:meth:`torch_spdl.auto.Measured.crowded`). :func:`elsewhere_s` is what ran on this process's
 CPUs (its affinity) beyond its own CPU time.
 """
 
@@ -73,16 +73,12 @@ def stolen_ratio(before: CpuTicks | None, after: CpuTicks | None) -> float:
     return (after.stolen - before.stolen) / running if running > 0 else 0.0
 
 
-def elsewhere_cores(
-    before: CpuTicks | None, after: CpuTicks | None, own_cpu_s: float, window_s: float
-) -> float:
-    """The cores other programs kept busy between two readings of the same CPUs: the time they
-    ran less ``own_cpu_s`` (this process's CPU time meanwhile), over ``window_s`` (0 if
-    unknown)."""
-    if before is None or after is None or window_s <= 0:
+def elsewhere_s(before: CpuTicks | None, after: CpuTicks | None, own_cpu_s: float) -> float:
+    """The CPU seconds other programs ran between two readings of the same CPUs: the time they
+    ran less ``own_cpu_s`` (this process's CPU time meanwhile); 0 if unknown."""
+    if before is None or after is None:
         return 0.0
-    ran_s = (after.running - before.running) / _TICKS_PER_S
-    return max(0.0, ran_s - own_cpu_s) / window_s
+    return max(0.0, (after.running - before.running) / _TICKS_PER_S - own_cpu_s)
 
 
 def _ticks_per_s() -> int:
