@@ -635,8 +635,11 @@ def test_a_trials_cores_are_counted_over_the_time_its_tasks_ran():
 
 def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no_leak):
     kept, concluded = [], []
-    answers = iter(
-        [Decision(THREAD, "crowded", free=True, measure_again=True), Decision(PROCESS, "x")]
+    answers = iter(  # processes from the next pass: no pool starts here
+        [
+            Decision(THREAD, "crowded", free=True, measure_again=True),
+            Decision(PROCESS, "x", deferred=True),
+        ]
     )
 
     def conclude(trial: Trial) -> Decision:
@@ -654,9 +657,9 @@ def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no
     lasted(again)
     again.consumer.count, again.stage.count = auto.TRIAL_STEPS, again.needed
     switch(2)  # this one decides
+    switch.close()  # joins the fork server's warm-up
     assert concluded == [(4, 100, True), (4, 100 - narrow.started, True)]
     assert switch.trial is None and kept == [switch.decision] and kept[0].executor == PROCESS
-    switch.close()
 
 
 def test_only_a_stage_the_gil_does_not_bind_is_free():
