@@ -457,8 +457,9 @@ class Decision:
     # processes whose start the pass gave up on, waiting for their fork server: whether they can
     # start is not known, so the next pass starts them as a switch does (threads if they cannot)
     untried: bool = False
-    # the trial could not tell: other programs took the cores its threads needed, and the stage
-    # measures again (a decision not acted on, nor kept)
+    # the trial could not tell (other programs took the cores its threads needed, or the training
+    # loop held a CPU while they seemed to wait on I/O): the stage measures again (a decision
+    # not acted on, nor kept)
     measure_again: bool = False
 
     def __str__(self) -> str:
