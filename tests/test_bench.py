@@ -169,6 +169,24 @@ def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
     assert not peak._thread.is_alive()
 
 
+@pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
+def test_peak_pss_counts_its_own_cpu_which_measure_leaves_out(monkeypatch):
+    """The sampler's CPU is the main process's: measure subtracts it, so it must be counted,
+    from the thread's clock or, where there is none, by the thread itself."""
+    with memory.PeakPss(interval=0.01, duty=0.5) as peak:
+        deadline = time.monotonic() + 10
+        while peak.readings < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the main thread idle: what the process spends is the sampler's
+        clock = peak.cpu_s()
+        monkeypatch.delattr(time, "pthread_getcpuclockid", raising=False)
+        counted = peak.cpu_s()
+    assert peak.readings >= 4
+    assert clock > 0 and counted > 0
+    # the thread's count lags its clock by at most the reading in progress
+    assert counted <= clock + 0.005
+    assert counted >= clock - 3 * clock / peak.readings
+
+
 _HOARD: list[bytes] = []
 
 

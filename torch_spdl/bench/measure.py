@@ -106,7 +106,7 @@ def measure(variant: Variant) -> Sample:
     steps: list[float] = []
     step_cpu = 0.0
     with PeakPss(exclude=variant.exclude_pids) as pss:
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, sampler_cpu = time.perf_counter(), time.process_time(), pss.cpu_s()
         iterator = iter(loader)
         for batch in iterator:
             if first is None:
@@ -123,7 +123,7 @@ def measure(variant: Variant) -> Sample:
             if batches == wanted:
                 break
         seconds = time.perf_counter() - start
-        main_cpu = time.process_time() - cpu - step_cpu
+        main_cpu = time.process_time() - cpu - step_cpu - (pss.cpu_s() - sampler_cpu)
         pss.read()  # workers still alive and holding what they copied; not timed
         del iterator, batch  # torch joins its workers here
     executor = auto_executor(loader)

@@ -127,6 +127,7 @@ class PeakPss:
         self.peak = 0
         self.readings = 0
         self._per_process = 0.0  # seconds one process's reading took, last time
+        self._cpu_s = 0.0  # the sampling thread's CPU seconds, counted by the thread itself
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torch_spdl.bench.pss")
@@ -155,11 +156,26 @@ class PeakPss:
         """
         last = time.perf_counter()
         while not self._stop.wait(self.interval):
+            began = time.thread_time()
             pids = tree(self.root, self.exclude)
-            if time.perf_counter() - last < len(pids) * self._per_process / self.duty:
-                continue
-            self.read(pids)
-            last = time.perf_counter()
+            if time.perf_counter() - last >= len(pids) * self._per_process / self.duty:
+                self.read(pids)
+                last = time.perf_counter()
+            self._cpu_s += time.thread_time() - began
+
+    def cpu_s(self) -> float:
+        """CPU seconds the sampling thread has spent so far.
+
+        They are the main process's, and the bench leaves them out of its main-process CPU: a
+        reading costs in proportion to the processes in the tree, so they would charge a loader
+        for its worker count (and a fork server) rather than for what it does per sample. Read
+        from the thread's own CPU clock where the platform has one (exact at any moment), else
+        from the thread's count, which misses at most the reading in progress.
+        """
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))  # type: ignore[arg-type]
+        except (AttributeError, OSError, TypeError):  # no such clock here, or no thread yet
+            return self._cpu_s
 
     def __enter__(self) -> PeakPss:
         self.read()  # here, not in the thread: it would compete with what is being timed
