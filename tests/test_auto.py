@@ -581,6 +581,17 @@ def test_threads_a_stage_cannot_leave_are_not_measured_again(no_leak):
     switch.close()
 
 
+def test_a_gil_bound_stage_under_a_one_core_quota_stays_on_threads(monkeypatch):
+    """The rule reads the quota: processes on one core's worth of time would not run in
+    parallel, however many CPUs the affinity lists."""
+    monkeypatch.setattr(torch_spdl.cpus, "own_cpus", lambda: set(range(16)))
+    monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: 1.0)
+    assert auto.cores() == 1
+    assert decide(measured(stage_wait=0.5)).executor == THREAD
+    monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: None)
+    assert decide(measured(stage_wait=0.5)).executor == PROCESS
+
+
 def test_threads_chosen_while_other_programs_held_the_cores_are_measured_again():
     """On 2 cores beside two busy programs, PIL's threads read a 1-4 % wait for the GIL (7-10 %
     alone): they waited for a core instead. Such a trial says nothing; one that finds the GIL
@@ -631,6 +642,19 @@ def test_a_trials_cores_are_counted_over_the_time_its_tasks_ran():
         thread.join()
     worked = trial.measured().window_s
     assert 0.29 <= worked < 0.45, worked  # 0.15 + 0.15: neither the idle 0.3 s nor 0.15 twice
+
+
+def test_a_trial_counts_only_the_other_programs_its_quota_leaves_it_short_of(monkeypatch):
+    """A pod limited to 3 cores on an 8-core node beside other pods: what they run on the 5
+    cores beyond its quota is not in its threads' way."""
+    monkeypatch.setattr(torch_spdl.cpus, "own_cpus", lambda: set(range(8)))
+    monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: 3.0)
+    trial = Trial(2)
+    trial.run(abs, 1)
+    monkeypatch.setattr(trial.working, "totals", lambda: (1.0, 6.5))  # 6.5 cores' worth
+    assert trial.measured().others_cores == pytest.approx(1.5)
+    monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: None)
+    assert trial.measured().others_cores == pytest.approx(6.5)
 
 
 def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no_leak):

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import steal
+from .cpus import cores, in_the_way, own_cpus
 
 try:  # per-thread context switches: Linux's getrusage(RUSAGE_THREAD)
     import resource
@@ -259,7 +260,7 @@ class WorkingTime:
 
 def _now() -> tuple[float, float, steal.CpuTicks | None]:
     """The wall clock, this process's CPU time and its CPUs' ticks, now."""
-    return time.perf_counter(), time.process_time(), steal.cpu_ticks(_own_cpus())
+    return time.perf_counter(), time.process_time(), steal.cpu_ticks(own_cpus())
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ class Measured:
     consumer_switches: tuple[int, int] = (0, 0)  # the training loop's voluntary and involuntary
     # context switches in its steps (:func:`context_switches`)
     others_cores: float = 0.0  # the cores other programs kept busy on this process's CPUs,
-    # while the stage worked
+    # while the stage worked, less those its quota left it without (:func:`cpus.in_the_way`)
 
     @property
     def busy_cores(self) -> float:
@@ -466,20 +467,6 @@ class Decision:
         figures = "" if self.measured is None else f" ({self.measured.describe()})"
         chose = "is measuring again" if self.measure_again else f"chose {self.executor}"
         return f"worker_method='auto' {chose}: {self.reason}{figures}"
-
-
-def cores() -> int:
-    """The CPUs this process may run on."""
-    own = _own_cpus()
-    return len(own) if own is not None else os.cpu_count() or 1
-
-
-def _own_cpus() -> set[int] | None:
-    """The CPUs this process may run on, where the platform says (Linux)."""
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
 
 
 def decide(
@@ -679,7 +666,7 @@ class Trial:
         """``fn(task)`` in a stage thread, measured."""
         with self._lock:
             if self._began is None:
-                self._ticks = steal.cpu_ticks(_own_cpus())
+                self._ticks = steal.cpu_ticks(own_cpus())
                 self._process_cpu = time.process_time()
                 self._began = time.perf_counter()
             self.started += 1
@@ -771,7 +758,7 @@ class Trial:
         with self._lock:
             now = time.perf_counter()
             worked_s, others_s = self.working.totals()
-            stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks(_own_cpus()))
+            stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks(own_cpus()))
             return Measured(
                 self.stage.unstolen(stolen),
                 self.consumer.unstolen(stolen),
@@ -785,7 +772,7 @@ class Trial:
                 self.threads,
                 stolen,
                 (self.consumer_switches[0], self.consumer_switches[1]),
-                others_s / worked_s if worked_s > 0 else 0.0,
+                in_the_way(others_s / worked_s) if worked_s > 0 else 0.0,
             )
 
 

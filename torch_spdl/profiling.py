@@ -9,7 +9,6 @@ The load cache is bypassed: it is the uncached work that needs threads.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .compat import is_iterable
+from .cpus import cores
 from .hooks import Hooks
 from .pipeline import Pipeline, Stage
 from .thread_safety import thread_safe_view
@@ -71,7 +71,7 @@ def profile(
     """
     if is_iterable(loader.dataset):
         raise ValueError("profile() needs a map-style dataset: it replays the sampler's indices")
-    cpus = os.cpu_count() or 1
+    cpus = cores()
     cpu_levels = cpu_levels or [2**k for k in range(8) if 2**k <= 2 * cpus]
     values: list[Any] = _indices(loader, num_batches)
     if not values:

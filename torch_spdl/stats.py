@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .auto import PROCESS
+from .cpus import cores
 from .failures import FailureBudget, SampleFailure
 from .pipeline import InFlight, StageReport
 from .pipeline.stats import StageStats, in_flight
@@ -79,7 +79,7 @@ def diagnose(
     stages: list[StageReport], batches: int, wait_fraction: float, cpus: int | None = None
 ) -> tuple[str, str]:
     """``(bottleneck, suggestion)`` from the stage figures and the consumer's waiting."""
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or cores()
     if batches and wait_fraction < KEEPS_UP:
         return "training loop", (
             f"it waits for data {wait_fraction:.0%} of the time: the loader keeps up, "

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..cpus import cores
 from . import memory, remote, report, series, strings
 from .measure import Result, Variant, run_rounds
 from .targets import evaluate
@@ -271,6 +272,7 @@ def environment() -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpus": os.cpu_count(),
+        "cores": cores(),  # those this process may use: its affinity, its cgroup's quota
         "load_average": os.getloadavg(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -8,9 +8,10 @@ torchvision there would count on both sides of their ratios.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from .. import cpus
 
 SWAPPED = "torch_spdl"
 HOOKS = "torch_spdl hooks+fast path"
@@ -44,5 +45,5 @@ class TrainingOptions:
 
 def host_workers(cores: int | None = None) -> tuple[int, ...]:
     """The worker counts a sweep covers on a host of ``cores``: 1, half of them, all of them."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or cpus.cores()
     return tuple(sorted({1, max(1, cores // 2), cores}))
