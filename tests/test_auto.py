@@ -587,7 +587,9 @@ def test_a_gil_bound_stage_under_a_one_core_quota_stays_on_threads(monkeypatch):
     monkeypatch.setattr(torch_spdl.cpus, "own_cpus", lambda: set(range(16)))
     monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: 1.0)
     assert auto.cores() == 1
-    assert decide(measured(stage_wait=0.5)).executor == THREAD
+    one = decide(measured(stage_wait=0.5))
+    assert one.executor == THREAD and "but one core" in one.reason
+    assert "waited for the GIL 50%" in str(one)  # the figures behind it, as for any decision
     monkeypatch.setattr(torch_spdl.cpus, "quota_cores", lambda: None)
     assert decide(measured(stage_wait=0.5)).executor == PROCESS
 

@@ -522,7 +522,9 @@ def decide(
     if no_processes is not None:
         return Decision(THREAD, f"{bound}, but {no_processes}", measured)
     if cpus < 2:
-        return Decision(THREAD, f"{bound}, but one core: processes would not run in parallel")
+        return Decision(
+            THREAD, f"{bound}, but one core: processes would not run in parallel", measured
+        )
     left_s = _left_s(measured, remaining_tasks)
     saved_s = None if left_s is None else left_s * measured.gain(cpus)
     if saved_s is not None and saved_s < start_s:
