@@ -187,6 +187,19 @@ def test_peak_pss_counts_its_own_cpu_which_measure_leaves_out(monkeypatch):
     assert counted >= clock - 3 * clock / peak.readings
 
 
+def test_measure_leaves_the_samplers_cpu_out_of_the_main_process(monkeypatch):
+    """What the PSS sampler spent over the timed loop is subtracted from the main process's CPU:
+    5 s of it over 10 samples is 500 s per 1,000 fewer."""
+
+    def main_cpu(sampler_s: float) -> float:
+        readings = iter([0.0, sampler_s])
+        monkeypatch.setattr(memory.PeakPss, "cpu_s", lambda self: next(readings))
+        variant = Variant("A", "fake", 1, lambda: [[0] * 5] * 2, 2, len)
+        return measure(variant).main_cpu_s_per_1000
+
+    assert main_cpu(0.0) - main_cpu(5.0) == pytest.approx(500.0, abs=1.0)
+
+
 _HOARD: list[bytes] = []
 
 
