@@ -1850,7 +1850,7 @@ def test_processes_that_die_as_they_start_cost_no_sample(quick_switch, no_child_
     got, pids = indices_of(loader)
     assert got == expected and pids == {os.getpid()}
     executor = loader.stats().executor
-    assert "could not start (RuntimeError: DataLoader worker process" in executor, executor
+    assert "could not start (WorkerDied: DataLoader worker process" in executor, executor
     assert "exit code 3" in executor, executor
 
 

@@ -243,6 +243,11 @@ def test_a_native_crash_in_a_worker_process_names_the_signal_and_the_indices():
     message = str(errors[0])
     assert "(killed by signal SIGSEGV)" in message and "dataset indices [4, 5]" in message
     assert re.search(r"worker process \d \(pid \d+\) exited unexpectedly", message)
+    # the engine's own traceback, which says nothing of the dataset, is left out
+    assert "Traceback" not in message and "processes.py" not in message, message
+    # the worker it names is the process that died, as the original message names it
+    assert re.search(r"\(worker process (\d)\)\.\n.*worker process \1 \(pid", message), message
+    assert isinstance(errors[0], RuntimeError)  # as torch's loader raises it
 
 
 def test_an_iterable_workers_death_ends_its_stream_for_the_epoch_only(tmp_path):

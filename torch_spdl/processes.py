@@ -76,7 +76,7 @@ from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
 from .pickled import contents, copies_too_large
-from .pipeline import Failure, Pipeline
+from .pipeline import EngineError, Failure, Pipeline
 from .pipeline.ahead import NOT_YET, Result
 from .priority import below_this_process, run_at
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
@@ -217,6 +217,14 @@ def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) ->
 
 
 # -- the main process's side ----------------------------------------------------------------------
+class WorkerDied(EngineError):
+    """A worker process ended while the main process waited on it: killed (the OOM killer's
+    SIGKILL), or crashed in native code (SIGSEGV). A ``RuntimeError``, as torch's loader raises
+    for a worker that exited unexpectedly."""
+
+    worker_kind = "process"
+
+
 @dataclass(eq=False)
 class _Worker:
     """One worker process and the main process's end of its pipe.
@@ -243,19 +251,19 @@ class _Worker:
             if self.stacks is not None:
                 self.stacks.close()
 
-    def died(self) -> RuntimeError:
+    def died(self) -> WorkerDied:
         """The error for its death; it is replaced before its next task (:meth:`ProcessPool
         ._current`)."""
         self.dead = True
         code = exit_code(self.process, SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
         if code is None:
-            return RuntimeError(f"{text}: it closed its pipe and is still running; {self.then}")
+            return WorkerDied(f"{text}: it closed its pipe and is still running; {self.then}")
         text += f" with exit code {code}"
         if code < 0:
             with contextlib.suppress(ValueError):  # not a signal this platform names
                 text += f" (killed by signal {signal.Signals(-code).name})"
-        return RuntimeError(f"{text}; {self.then}")
+        return WorkerDied(f"{text}; {self.then}")
 
 
 def _start_process(

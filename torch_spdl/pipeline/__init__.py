@@ -21,7 +21,7 @@ or its parts: ``Pipeline(urls, [Stage("download", fetch, 32), Stage("decode", de
 
 from .builder import PipelineBuilder
 from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
-from .items import End, Failure
+from .items import End, EngineError, Failure
 from .pipeline import Pipeline
 from .regroup import Regroup
 from .sources import SharedSource, WorkerSource
@@ -32,6 +32,7 @@ __all__ = [
     "Channel",
     "Closed",
     "End",
+    "EngineError",
     "Failure",
     "Gate",
     "InFlight",

@@ -6,10 +6,19 @@ engine never needs a lock to keep order; only the sink that was asked for order 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..compat import ExceptionWrapper
+
+
+class EngineError(RuntimeError):
+    """A stage's failure that the engine, not the dataset, ran into (a worker process that died
+    under it). Its traceback runs through the engine's own code, which tells the user nothing, so
+    it is carried without one: the message says what happened, where, and for which indices."""
+
+    worker_kind = "thread"  # what ran the task: messages name the worker so ("worker process 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +36,10 @@ class Failure:
     @classmethod
     def capture(cls, where: str, item: Any = None, stage: str | None = None) -> Failure:
         """Wrap the exception being handled; call only inside an ``except`` block."""
-        return cls(ExceptionWrapper(where=where), item, stage)
+        kind, error, trace = sys.exc_info()
+        if isinstance(error, EngineError):
+            trace = None
+        return cls(ExceptionWrapper((kind, error, trace), where=where), item, stage)
 
     def error(self) -> str:
         """The exception as ``"Type: message"`` (the last line of the worker's traceback)."""

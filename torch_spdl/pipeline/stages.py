@@ -89,8 +89,9 @@ class Stage:
     def is_async(self) -> bool:
         return is_async_callable(self.fn)
 
-    def where(self, value: Any, worker: int | None = None) -> str:
-        return where(self.name, None if self.describe is None else self.describe(value), worker)
+    def where(self, value: Any, worker: int | None = None, kind: str = "thread") -> str:
+        description = None if self.describe is None else self.describe(value)
+        return where(self.name, description, worker, kind)
 
 
 @dataclass(frozen=True)
