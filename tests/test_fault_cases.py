@@ -260,6 +260,9 @@ def test_an_iterable_workers_death_ends_its_stream_for_the_epoch_only(tmp_path):
     )
     out, errors = run_to_the_end(loader)
     assert len(errors) == 1 and "its stream ends for this epoch" in str(errors[0])
+    # named by the process that died, without the engine's traceback, as a map-style task's death
+    message = str(errors[0])
+    assert "Traceback" not in message and "(worker process 1)." in message, message
     assert sorted(x for x in out if x != "error") == [0, 0, 1, 2, 3]  # worker 1 died at its 1
     assert sorted(loader_items(loader)) == [0, 0, 1, 1, 2, 2, 3, 3]  # a new worker next epoch
 

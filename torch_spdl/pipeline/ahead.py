@@ -19,7 +19,6 @@ order it took their tasks: a worker answers its requests in the order they were 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .channel import Channel, Closed, Doorbell, Stopped, StopSignal
-from .items import EngineError, Failure, is_control
+from .items import Failure, is_control
 from .stages import Runtime, Stage, put_counted, run_on_start, run_timed
 from .stats import StageStats, WorkerRecord
 
@@ -162,11 +161,8 @@ class _Flight:
         return [item for item in done if item is not None]  # none is: nothing interrupts them
 
     def _failure(self, value: Any) -> Failure:
-        """The exception being handled, as ``value``'s Failure; one the engine ran into names the
-        kind of worker it was on (the process this thread drives, where one died)."""
-        error = sys.exc_info()[1]
-        kind = error.worker_kind if isinstance(error, EngineError) else "thread"
-        return Failure.capture(self.stage.where(value, self.worker, kind), value, self.stage.name)
+        """The exception being handled, as ``value``'s Failure."""
+        return Failure.capture(self.stage.where(value, self.worker), value, self.stage.name)
 
 
 def ahead_loop(

@@ -21,6 +21,14 @@ class EngineError(RuntimeError):
     worker_kind = "thread"  # what ran the task: messages name the worker so ("worker process 1")
 
 
+def handled_worker_kind() -> str:
+    """The kind of worker the exception being handled ran on, as messages name it: an
+    :class:`EngineError`'s own (the process that died under a thread driving it), else a
+    thread's."""
+    error = sys.exc_info()[1]
+    return error.worker_kind if isinstance(error, EngineError) else "thread"
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """An exception caught in a stage, carried to the consumer in its item's place.

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ..inherited import in_thread
 from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
-from .items import End, Failure, is_control
+from .items import End, Failure, handled_worker_kind, is_control
 from .stats import InFlight, StageStats, WorkerRecord, call_timed
 
 Item = tuple[int, Any]
@@ -44,15 +44,16 @@ def is_async_callable(fn: Any) -> bool:
 
 
 def where(
-    stage: str, description: str | None = None, worker: int | None = None, kind: str = "thread"
+    stage: str, description: str | None = None, worker: int | None = None, kind: str | None = None
 ) -> str:
     """Where an error happened, as messages name it: ``in stage 'fetch' for dataset index 7
-    (worker thread 1)``; ``kind`` is ``"process"`` for a stage run by worker processes."""
+    (worker thread 1)``; ``kind`` is ``"process"`` for a stage run by worker processes, and by
+    default the kind the exception being handled names (:func:`handled_worker_kind`)."""
     text = f"in stage {stage!r}"
     if description is not None:
         text += f" for {description}"
     if worker is not None:
-        text += f" (worker {kind} {worker})"
+        text += f" (worker {kind or handled_worker_kind()} {worker})"
     return text
 
 
@@ -89,9 +90,8 @@ class Stage:
     def is_async(self) -> bool:
         return is_async_callable(self.fn)
 
-    def where(self, value: Any, worker: int | None = None, kind: str = "thread") -> str:
-        description = None if self.describe is None else self.describe(value)
-        return where(self.name, description, worker, kind)
+    def where(self, value: Any, worker: int | None = None) -> str:
+        return where(self.name, None if self.describe is None else self.describe(value), worker)
 
 
 @dataclass(frozen=True)
@@ -418,11 +418,10 @@ def _failed_item(item: Item) -> bool:
 def _guarded(source: Any, worker: int) -> Iterator[Any]:
     """Iterate ``source.fn(worker)``; an exception becomes a Failure item, and iteration goes on
     as torch's workers do (a Python generator simply ends after raising)."""
-    where = f"in stage {source.name!r} (worker thread {worker})"
     try:
         iterator = iter(source.fn(worker))
     except BaseException:  # SystemExit too: it fails the stream, not the thread
-        yield Failure.capture(where)
+        yield Failure.capture(where(source.name, None, worker))
         return
     while True:
         try:
@@ -430,5 +429,5 @@ def _guarded(source: Any, worker: int) -> Iterator[Any]:
         except StopIteration:
             return
         except BaseException:
-            value = Failure.capture(where)
+            value = Failure.capture(where(source.name, None, worker))
         yield value  # outside the try: a GeneratorExit here is this generator's own closing
