@@ -25,9 +25,7 @@ def cores() -> int:
     """The cores this process may keep busy at once: its CPUs, or its quota if fewer (a quota
     of 2.5 cores lets three threads run, each for part of the period)."""
     own = own_cpus()
-    cpus = len(own) if own is not None else os.cpu_count() or 1
-    quota = quota_cores()
-    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+    return _within_quota(len(own) if own is not None else os.cpu_count() or 1)
 
 
 def own_cpus() -> set[int] | None:
@@ -44,7 +42,13 @@ def in_the_way(others_cores: float) -> float:
     own = own_cpus()
     if own is None:
         return others_cores
-    return max(0.0, others_cores - (len(own) - cores()))
+    return max(0.0, others_cores - (len(own) - _within_quota(len(own))))
+
+
+def _within_quota(cpus: int) -> int:
+    """``cpus``, or the cgroup's quota if fewer, rounded up."""
+    quota = quota_cores()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
 
 
 def quota_cores(root: Path = CGROUP, membership: Path = PROC_CGROUP) -> float | None:
