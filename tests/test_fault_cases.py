@@ -25,6 +25,8 @@ from index_datasets import WaitsAt
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from torch_spdl import DataLoader, FailureBudgetExceeded, StagedDataset, start_method
+from torch_spdl.pipeline import pipeline as pipeline_module
+from torch_spdl.pipeline.stacks import ThreadLeftWarning
 from torch_spdl.stall import StallWarning
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
@@ -398,6 +400,36 @@ def test_stall_warning_says_why_and_the_loader_goes_on():
     text = str(seen[0])
     assert "stall_warning=0.2" in text and "dataset indices [3]" in text
     assert "in wait_in_user_code" in text
+
+
+def test_a_thread_stuck_in_user_code_at_close_is_named_and_left_to_finish(monkeypatch):
+    """A thread cannot be stopped from outside: the close waits for it a while, then leaves it
+    and says which it is, the dataset indices it is on and where it waits."""
+    monkeypatch.setattr(pipeline_module, "JOIN_TIMEOUT", 0.2)
+    gate = threading.Event()
+    loader = DataLoader(WaitsAt(gate), batch_size=1, num_workers=2, worker_method="thread")
+    iterator = iter(loader)
+    assert [int(next(iterator)) for _ in range(3)] == [0, 1, 2]
+    with pytest.warns(ThreadLeftWarning) as record:
+        iterator.close()
+    (warning,) = record
+    text = str(warning.message)
+    assert "1 thread did not stop within 0.2 s of its close" in text, text
+    assert re.search(r":fetch:\d: stage 'fetch', worker thread \d: dataset indices \[3\]", text)
+    assert "in wait_in_user_code" in text
+    (stuck,) = [thread for thread in threading.enumerate() if ":fetch:" in thread.name]
+    gate.set()  # it finishes its sample, sees the stop and ends: no thread is left
+    stuck.join(TIMEOUT)
+    assert not stuck.is_alive()
+
+
+def test_threads_that_stop_at_close_raise_no_warning():
+    loader = DataLoader(WaitsAt(threading.Event(), at=-1), batch_size=1, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThreadLeftWarning)
+        iterator.close()
 
 
 @pytest.mark.parametrize("value", [0, -1, "1", float("nan")])

@@ -11,16 +11,11 @@ and for a worker process its pid and its stack, which the process writes when as
 
 from __future__ import annotations
 
-import sys
-import threading
-import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 from .pipeline import InFlight
-
-INDENT = "    "
+from .pipeline.stacks import INDENT, thread_stacks
 
 
 class StallWarning(UserWarning):
@@ -48,33 +43,6 @@ def diagnose(in_flight: list[InFlight], process_stack: Callable[[int], str | Non
         if stack:
             lines += [INDENT + line for line in stack.rstrip("\n").splitlines()]
     return "\n".join(lines)
-
-
-def thread_stacks(threads: set[int | None]) -> dict[int, str]:
-    """The formatted Python stack of each of ``threads`` (by ident) that is running.
-
-    Only strings leave this function: a frame kept in a local would hold every local of its
-    thread, and ``sys._current_frames()`` includes this function's own frame, a reference cycle
-    that keeps the loader's threads and worker processes alive until the next garbage collection.
-    """
-    frames = sys._current_frames()
-    try:
-        return {
-            ident: "".join(traceback.format_list(_past_bootstrap(frame)))
-            for ident, frame in frames.items()
-            if ident in threads
-        }
-    finally:
-        del frames
-
-
-def _past_bootstrap(frame: Any) -> traceback.StackSummary:
-    """A thread's stack without the frames of ``threading`` that started it."""
-    frames = traceback.extract_stack(frame)
-    start = 0
-    while start < len(frames) and frames[start].filename == threading.__file__:
-        start += 1
-    return traceback.StackSummary.from_list(frames[start:])
 
 
 def warn(waited: float, setting: float, diagnosis: str) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -23,6 +24,7 @@ from .items import Failure
 from .ordering import EpochEnd, Sink
 from .regroup import Regroup
 from .sources import SharedReader, SharedSource, WorkerSource
+from .stacks import ThreadLeftWarning, left_behind
 from .stages import (
     AsyncStageRunner,
     Stage,
@@ -286,18 +288,25 @@ class _Runtime:
             raise
 
     def close(self) -> None:
-        """Stop every thread and join it (a thread stuck in user code is given up on after
-        ``JOIN_TIMEOUT`` in all; it is a daemon thread, so it cannot keep the interpreter alive)."""
+        """Stop every thread and join it. A thread stuck in user code is given up on after
+        ``JOIN_TIMEOUT`` in all, with a :class:`~.stacks.ThreadLeftWarning` that says where it
+        is; it is a daemon thread, so it cannot keep the interpreter alive."""
         self.stop.set()
         for reader in [self.reader] + [boundary.reader for boundary in self.boundaries]:
             if reader is not None:
                 reader.close()
         current = threading.current_thread()
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        for thread in self.threads:
-            if thread is not current and thread.is_alive():
+        waited = JOIN_TIMEOUT
+        deadline = time.monotonic() + waited
+        others = [thread for thread in self.threads if thread is not current]
+        for thread in others:
+            if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
         _live.discard(self)
+        left = [thread for thread in others if thread.is_alive()]
+        if left:
+            message = left_behind(self.name, left, in_flight(self.stats), waited)
+            warnings.warn(message, ThreadLeftWarning, stacklevel=2)
 
 
 def max_in_flight(buffer_size: int, stages: Sequence[Step]) -> int:
