@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 
 from .pipeline import InFlight
-from .pipeline.stacks import INDENT, thread_stacks
+from .pipeline.stacks import indented, thread_stacks
 
 
 class StallWarning(UserWarning):
@@ -41,7 +41,7 @@ def diagnose(in_flight: list[InFlight], process_stack: Callable[[int], str | Non
             if remote is not None:
                 stack += remote
         if stack:
-            lines += [INDENT + line for line in stack.rstrip("\n").splitlines()]
+            lines += indented(stack)
     return "\n".join(lines)
 
 

@@ -296,8 +296,7 @@ class _Runtime:
             if reader is not None:
                 reader.close()
         current = threading.current_thread()
-        waited = JOIN_TIMEOUT
-        deadline = time.monotonic() + waited
+        deadline = time.monotonic() + JOIN_TIMEOUT
         others = [thread for thread in self.threads if thread is not current]
         for thread in others:
             if thread.is_alive():
@@ -305,7 +304,7 @@ class _Runtime:
         _live.discard(self)
         left = [thread for thread in others if thread.is_alive()]
         if left:
-            message = left_behind(self.name, left, in_flight(self.stats), waited)
+            message = left_behind(self.name, left, in_flight(self.stats), JOIN_TIMEOUT)
             warnings.warn(message, ThreadLeftWarning, stacklevel=2)
 
 

@@ -52,6 +52,11 @@ def _past_bootstrap(frame: Any) -> traceback.StackSummary:
     return traceback.StackSummary.from_list(frames[start:])
 
 
+def indented(stack: str) -> list[str]:
+    """A formatted stack's lines, indented under the line that names its thread."""
+    return [INDENT + line for line in stack.rstrip("\n").splitlines()]
+
+
 def left_behind(
     pipeline: str, threads: list[threading.Thread], tasks: Iterable[InFlight], waited: float
 ) -> str:
@@ -70,5 +75,5 @@ def left_behind(
         task = on.get(ident) if ident is not None else None
         lines.append(f"  {thread.name}" + (f": {task}" if task is not None else ""))
         stack = stacks.get(ident, "") if ident is not None else ""
-        lines += [INDENT + line for line in stack.rstrip("\n").splitlines()]
+        lines += indented(stack)
     return "\n".join(lines)
