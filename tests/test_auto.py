@@ -1531,6 +1531,7 @@ def notebook_main(monkeypatch, **attributes: Any) -> Any:
 def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(monkeypatch, held):
     import functools
 
+    from torch_spdl import main_script
     from torch_spdl.jobs import FetchJob
     from torch_spdl.processes import PoolStarter
 
@@ -1549,6 +1550,8 @@ def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(m
         f"worker processes cannot unpickle {name}: defined in __main__, which has no file they "
         "could import (a notebook or python -c)"
     )
+    # the start reads the names off the job as it packs it for the workers: one pickle, not two
+    monkeypatch.setattr(main_script, "contents", lambda job: pytest.fail("pickled to look"))
     with pytest.raises(RuntimeError, match=f"worker_method='process' cannot start .*{name}"):
         starter()
 

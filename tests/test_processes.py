@@ -825,6 +825,25 @@ def test_a_pool_pickles_its_dataset_once_for_all_its_workers():
     assert CountsPickles.pickled == 2
 
 
+class StagedCountsPickles(StagedSquares):
+    pickled = 0
+
+    def __getstate__(self) -> dict:
+        type(self).pickled += 1
+        return self.__dict__
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_staged_dataset_is_pickled_once_for_all_its_workers(workers):
+    """Its bound ``preprocess`` was set aside as multiprocessing reduces it, and pickled again
+    for each worker, with the dataset it is bound to: 1 + ``workers`` pickles at every pass."""
+    StagedCountsPickles.pickled = 0
+    loader = ours(StagedCountsPickles(), num_workers=workers, batch_size=4)
+    expected = [b.tolist() for b in torchs(StagedSquares(), num_workers=workers, batch_size=4)]
+    assert [b.tolist() for b in loader] == expected
+    assert StagedCountsPickles.pickled == 1
+
+
 def test_forked_workers_are_given_the_dataset_unpickled():
     """``fork`` copies the main process, dataset included, as torch's workers are: nothing to
     pickle, so nothing is."""

@@ -4,8 +4,10 @@ statuses) and how they are pickled (large tensors in shared memory, small ones b
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import pickle
+import types
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch.multiprocessing  # registers torch's reductions: tensors travel in 
 
 from . import shared_buffers, shared_pages
 from .compat import new_shared_storage
+from .pickled import note_main
 from .transfer import map_tensors
 
 # Requests (main → worker) and reply statuses (worker → main).
@@ -207,6 +210,11 @@ class Packed:
     the large buffers of its arrays, which every worker maps copy-on-write
     (:mod:`torch_spdl.shared_buffers`). Unpickled, it is the job: a worker receives its job as
     it would without packing.
+
+    ``main_names``: the classes and functions of ``__main__`` the job names, noted as it was
+    pickled (:func:`~torch_spdl.pickled.note_main`), so that a main module without a file (a
+    notebook, ``python -c``) is checked without pickling the job a second time. They stay in
+    this process.
     """
 
     def __init__(
@@ -214,10 +222,12 @@ class Packed:
         data: bytes | torch.Tensor,
         side: list[Any],
         buffers: shared_buffers.Mapped | None = None,
+        main_names: list[str] | None = None,
     ) -> None:
         self.data = data
         self.side = side
         self.buffers = buffers
+        self.main_names = main_names or []
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _unpacked, (self.data, self.side, self.buffers)
@@ -258,9 +268,20 @@ def _pack(obj: Any, segment: shared_buffers.Segment | None) -> Packed:
     pickler.dump(obj)
     mapped = None if segment is None else segment.seal()
     data = buffer.getbuffer()
-    if len(data) <= LARGE_MESSAGE:
-        return Packed(bytes(data), pickler.side, mapped)
-    return Packed(_shared_bytes(data), pickler.side, mapped)
+    stored = bytes(data) if len(data) <= LARGE_MESSAGE else _shared_bytes(data)
+    return Packed(stored, pickler.side, mapped, pickler.main_names)
+
+
+PICKLED_ALIKE = (
+    types.MethodType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    functools.partial,
+)
+"""Types multiprocessing registers reductions for only because Python 2's pickle could not pickle
+them; Python 3's pickles them alike, with nothing of the process they go to. They are pickled with
+the rest of the job, not set aside: set aside, a staged dataset's bound ``preprocess`` was
+pickled again for each worker, and the dataset it is bound to with it."""
 
 
 class _PackPickler(pickle.Pickler):
@@ -273,12 +294,19 @@ class _PackPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, segment: shared_buffers.Segment | None) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL, buffer_callback=segment)
         self.side: list[Any] = []
+        self.main_names: list[str] = []
         reductions = ForkingPickler(io.BytesIO()).dispatch_table
-        self._own = {t for t in reductions if t not in copyreg.dispatch_table}
+        self._own = {
+            t for t in reductions if t not in copyreg.dispatch_table and t not in PICKLED_ALIKE
+        }
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            note_main(obj, self.main_names)
+            return NotImplemented
         if type(obj) not in self._own:
             return NotImplemented
+        note_main(type(obj), self.main_names)  # set aside: its class is not pickled here
         self.side.append(obj)
         return _side_item, (len(self.side) - 1,)
 

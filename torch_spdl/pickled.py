@@ -70,13 +70,11 @@ class _Scan(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
-            if obj.__module__ == "__main__":
-                self.names.append(obj.__qualname__)
+            note_main(obj, self.names)
             return NotImplemented
         tensor = isinstance(obj, torch.Tensor)
         if tensor or (isinstance(obj, np.ndarray) and not obj.dtype.hasobject):
-            if type(obj).__module__ == "__main__":
-                self.names.append(type(obj).__qualname__)
+            note_main(type(obj), self.names)  # its class is not pickled: tuple, () stands in
             if tensor:
                 return tuple, ()
             if _out_of_band(obj) and shared_buffers.shares(obj.nbytes):
@@ -94,6 +92,14 @@ class _Scan(pickle.Pickler):
             return True
         self.shared_bytes += nbytes
         return False
+
+
+def note_main(definition: type | types.FunctionType, names: list[str]) -> None:
+    """Add ``definition``'s qualified name to ``names`` where it is a class or function of
+    ``__main__``: a worker started by ``spawn`` or a fork server unpickles it only where the main
+    module has a file it can import (:func:`torch_spdl.main_script.unreachable_main`)."""
+    if definition.__module__ == "__main__":
+        names.append(definition.__qualname__)
 
 
 def _out_of_band(array: np.ndarray) -> bool:

@@ -75,7 +75,7 @@ from .copies import CopyTask
 from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
-from .pickled import contents, copies_too_large
+from .pickled import Contents, contents, copies_too_large
 from .pipeline import EngineError, Failure, Pipeline
 from .pipeline.ahead import NOT_YET, Result
 from .priority import below_this_process, run_at
@@ -383,6 +383,12 @@ def _terminate(process: Any) -> None:
     process.close()  # its sentinel's file descriptor
 
 
+def packed_for(context: Any, job: Job) -> Job | Packed:
+    """What each worker of ``context`` is sent: ``job`` pickled once for all of them, not once
+    per worker, or ``job`` itself where workers are forked (they inherit it)."""
+    return job if context.get_start_method() == "fork" else pack(job)
+
+
 class ProcessPool:
     """``num_workers`` worker processes running ``job``, driven by the engine's stage threads.
 
@@ -392,6 +398,8 @@ class ProcessPool:
     process is set up. The stage function is :meth:`fetch`, :meth:`preprocess`, or :meth:`batches`
     as a :class:`~torch_spdl.pipeline.WorkerSource`'s function, matching ``job``. The processes
     run ``nice`` below this process's CPU priority as the pool starts (:mod:`torch_spdl.priority`).
+    ``packed``: ``job`` as the caller already packed it for these workers (:func:`pack`), if it
+    did; else it is packed here.
     """
 
     def __init__(
@@ -404,6 +412,7 @@ class ProcessPool:
         context: Any = None,
         pin: Callable[[Any], Any] | None = None,
         nice: int = 0,
+        packed: Job | Packed | None = None,
     ) -> None:
         self.job = job
         self._pin_batch = pin
@@ -431,8 +440,8 @@ class ProcessPool:
             )
 
         self._spawn = spawn
-        # pickled once for all of them, not once per worker; a forked worker is given it as is
-        packed = job if context.get_start_method() == "fork" else pack(job)
+        if packed is None:
+            packed = packed_for(context, job)
         try:
             for worker in range(num_workers):
                 self._processes.workers.append(self._spawn(worker, packed))
@@ -831,7 +840,8 @@ class PoolStarter:
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
         job = self._job()
         context = start_context(self.multiprocessing_context, modules_of(job))
-        self._check_main(context, job)
+        packed = packed_for(context, job)
+        self._check_main(context, job, packed)
         return ProcessPool(
             job,
             self.num_workers,
@@ -840,6 +850,7 @@ class PoolStarter:
             context=context,
             pin=self.pin,
             nice=self.nice,
+            packed=packed,
         )
 
     def warm(self) -> bool:
@@ -875,12 +886,14 @@ class PoolStarter:
         )
         return Vetting(why, found.copied_bytes)
 
-    def _check_main(self, context: Any, job: Job) -> None:
+    def _check_main(self, context: Any, job: Job, packed: Job | Packed) -> None:
         """Raise at once where no worker could run ``job`` (see :func:`unreachable_main`), rather
-        than fail every batch with a dead worker; torch's default ``fork`` meets no such case."""
+        than fail every batch with a dead worker; torch's default ``fork`` meets no such case.
+        What ``packed`` found as it was pickled spares the check a pickle of its own."""
         if context.get_start_method() == "fork":
             return
-        reason = unreachable_main(job) or _reruns_main()
+        found = Contents(packed.main_names, 0) if isinstance(packed, Packed) else None
+        reason = unreachable_main(job, found) or _reruns_main()
         if reason is not None:
             raise RuntimeError(
                 f"worker_method='process' cannot start its workers by "
