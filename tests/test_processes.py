@@ -844,6 +844,43 @@ def test_a_staged_dataset_is_pickled_once_for_all_its_workers(workers):
     assert StagedCountsPickles.pickled == 1
 
 
+class OpensInWorkerInit(Squares):
+    """A dataset whose ``worker_init_fn`` is its own bound method, which opens a handle on
+    itself for each worker (torch's docs' pattern for HDF5 and LMDB, through the method)"""
+
+    pickled = 0
+
+    def open(self, worker_id: int) -> None:
+        self.handle = f"handle of worker {worker_id}"
+
+    def __getitem__(self, index):
+        return {"i": index, "handle": getattr(self, "handle", None)}
+
+    def __getstate__(self) -> dict:
+        type(self).pickled += 1
+        return self.__dict__
+
+
+def test_a_worker_init_fn_bound_to_the_dataset_sets_up_the_dataset_the_worker_reads():
+    """torch's forked worker calls ``worker_init_fn`` on its copy of the dataset, the one it reads
+    from. Pickled apart from the job, the method was bound to a second copy, which no read saw:
+    every sample read no handle. Pickled with it, it is the same copy, and the dataset is
+    pickled once for the pool."""
+    dataset = OpensInWorkerInit()
+    kwargs = dict(num_workers=2, batch_size=4, worker_init_fn=dataset.open)
+    handles = {"handle of worker 0", "handle of worker 1"}
+    # Python 3.14's default start method is no longer fork
+    forked = list(torchs(dataset, multiprocessing_context="fork", **kwargs))
+    expected = [b["i"].tolist() for b in forked]
+    OpensInWorkerInit.pickled = 0
+    batches = list(ours(dataset, **kwargs))
+    assert OpensInWorkerInit.pickled == 1
+    assert [b["i"].tolist() for b in batches] == expected
+    # each batch read by one worker, which one is the engine's (torch's take turns)
+    assert all(len(set(b["handle"])) == 1 and b["handle"][0] in handles for b in batches)
+    assert all(set(b["handle"]) <= handles for b in forked)
+
+
 def test_forked_workers_are_given_the_dataset_unpickled():
     """``fork`` copies the main process, dataset included, as torch's workers are: nothing to
     pickle, so nothing is."""
@@ -1219,7 +1256,7 @@ def test_a_sigterm_runs_the_servers_exit_handlers_with_or_without_pythons_privat
 def start_process(context: Any, job: Any, worker: int, workers: int) -> Any:
     """One worker process of ``workers``, as a pool starts it (seed 0, no worker_init_fn)."""
     settings = inherited.capture()
-    return processes._start_process(context, settings, job, worker, workers, 0, None, job)
+    return processes._start_process(context, settings, job, worker, workers, 0, (job, None))
 
 
 @pytest.mark.integration

@@ -125,11 +125,10 @@ def _write_stack_on_request(pipe: connection.Connection | None) -> None:
 
 def _worker_main(
     settings: inherited.Settings,
-    job: Job,
+    sent: WorkerStart,
     worker: int,
     num_workers: int,
     base_seed: int,
-    worker_init_fn: Callable[[int], None] | None,
     conn: connection.Connection,
     stack_pipe: connection.Connection | None,
     forked: bool,
@@ -139,6 +138,7 @@ def _worker_main(
     (the main process closes its end of the pipe) or until the main process is gone. ``forked``:
     it was forked from the main process (``multiprocessing_context="fork"``). ``niceness``: the
     CPU priority it runs at (:mod:`torch_spdl.priority`); None, the one it started with."""
+    job, worker_init_fn = sent
     try:
         run_at(niceness)  # before any thread starts: they inherit it
         inherited.apply(settings)  # what a forked worker would have had
@@ -273,13 +273,12 @@ def _start_process(
     worker: int,
     num_workers: int,
     base_seed: int,
-    worker_init_fn: Callable[[int], None] | None,
-    sent: Job | Packed,
+    sent: WorkerStart | Packed,
     niceness: int | None = None,
 ) -> _Worker:
-    """Worker process ``worker`` of ``job``, which it is sent as ``sent``: the job, or the job
-    packed (:func:`~torch_spdl.messages.pack`), which unpickles to it; it runs at ``niceness``
-    (None: at the priority it starts with)."""
+    """Worker process ``worker`` of ``job``, which it is sent with its ``worker_init_fn`` as
+    ``sent`` (:func:`worker_start`); it runs at ``niceness`` (None: at the priority it starts
+    with)."""
     forked = context.get_start_method() == "fork"
     ours, theirs = context.Pipe()
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
@@ -296,7 +295,6 @@ def _start_process(
             worker,
             num_workers,
             base_seed,
-            worker_init_fn,
             theirs,
             stack_pipe,
             forked,
@@ -383,10 +381,21 @@ def _terminate(process: Any) -> None:
     process.close()  # its sentinel's file descriptor
 
 
-def packed_for(context: Any, job: Job) -> Job | Packed:
-    """What each worker of ``context`` is sent: ``job`` pickled once for all of them, not once
-    per worker, or ``job`` itself where workers are forked (they inherit it)."""
-    return job if context.get_start_method() == "fork" else pack(job)
+WorkerStart = tuple[Job, Callable[[int], None] | None]
+"""What a worker process is given: its job and ``worker_init_fn``."""
+
+
+def worker_start(
+    context: Any, job: Job, worker_init_fn: Callable[[int], None] | None
+) -> WorkerStart | Packed:
+    """What each worker of ``context`` is sent: ``job`` and ``worker_init_fn`` pickled together,
+    once for all of them, not once per worker; or the two as they are, where workers are forked
+    (they inherit them). In one pickle, a ``worker_init_fn`` bound to the dataset (or holding
+    it) is bound in the worker to the dataset the worker reads, as in a forked worker of
+    torch's: pickled apart, it was bound to a second copy, and what it set up there, no read
+    saw."""
+    start = (job, worker_init_fn)
+    return start if context.get_start_method() == "fork" else pack(start)
 
 
 class ProcessPool:
@@ -398,8 +407,8 @@ class ProcessPool:
     process is set up. The stage function is :meth:`fetch`, :meth:`preprocess`, or :meth:`batches`
     as a :class:`~torch_spdl.pipeline.WorkerSource`'s function, matching ``job``. The processes
     run ``nice`` below this process's CPU priority as the pool starts (:mod:`torch_spdl.priority`).
-    ``packed``: ``job`` as the caller already packed it for these workers (:func:`pack`), if it
-    did; else it is packed here.
+    ``packed``: ``job`` and ``worker_init_fn`` as the caller already packed them for these
+    workers (:func:`worker_start`), if it did; else they are packed here.
     """
 
     def __init__(
@@ -412,7 +421,7 @@ class ProcessPool:
         context: Any = None,
         pin: Callable[[Any], Any] | None = None,
         nice: int = 0,
-        packed: Job | Packed | None = None,
+        packed: WorkerStart | Packed | None = None,
     ) -> None:
         self.job = job
         self._pin_batch = pin
@@ -424,24 +433,17 @@ class ProcessPool:
         niceness = below_this_process(nice)  # this process's priority now, less ``nice``
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
 
-        def spawn(worker: int, sent: Job | Packed = job) -> _Worker:
+        def spawn(worker: int, sent: WorkerStart | Packed | None = None) -> _Worker:
             """Start process ``worker``; a replacement (for one that died) is sent the job as
             it is then."""
+            sent = (job, worker_init_fn) if sent is None else sent
             return _start_process(
-                context,
-                settings,
-                job,
-                worker,
-                num_workers,
-                base_seed,
-                worker_init_fn,
-                sent,
-                niceness,
+                context, settings, job, worker, num_workers, base_seed, sent, niceness
             )
 
         self._spawn = spawn
         if packed is None:
-            packed = packed_for(context, job)
+            packed = worker_start(context, job, worker_init_fn)
         try:
             for worker in range(num_workers):
                 self._processes.workers.append(self._spawn(worker, packed))
@@ -840,7 +842,7 @@ class PoolStarter:
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
         job = self._job()
         context = start_context(self.multiprocessing_context, modules_of(job))
-        packed = packed_for(context, job)
+        packed = worker_start(context, job, self.worker_init_fn)
         self._check_main(context, job, packed)
         return ProcessPool(
             job,
@@ -886,7 +888,7 @@ class PoolStarter:
         )
         return Vetting(why, found.copied_bytes)
 
-    def _check_main(self, context: Any, job: Job, packed: Job | Packed) -> None:
+    def _check_main(self, context: Any, job: Job, packed: WorkerStart | Packed) -> None:
         """Raise at once where no worker could run ``job`` (see :func:`unreachable_main`), rather
         than fail every batch with a dead worker; torch's default ``fork`` meets no such case.
         What ``packed`` found as it was pickled spares the check a pickle of its own."""
