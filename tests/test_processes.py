@@ -825,6 +825,23 @@ def test_a_pool_pickles_its_dataset_once_for_all_its_workers():
     assert CountsPickles.pickled == 2
 
 
+class CollatesItself(CountsPickles):
+    """A dataset whose ``collate_fn`` is its own bound method, a common pattern."""
+
+    def collate(self, samples: list) -> list:
+        return [sample["i"] for sample in samples]
+
+
+def test_a_collate_fn_bound_to_the_dataset_does_not_pickle_it_again_for_each_worker():
+    """Bound methods were set aside as multiprocessing reduces them, and pickled by each
+    worker's start with the dataset they are bound to."""
+    dataset = CollatesItself()
+    expected = list(torchs(dataset, num_workers=3, batch_size=4, collate_fn=dataset.collate))
+    CollatesItself.pickled = 0
+    assert list(ours(dataset, num_workers=3, batch_size=4, collate_fn=dataset.collate)) == expected
+    assert CollatesItself.pickled == 1
+
+
 class StagedCountsPickles(StagedSquares):
     pickled = 0
 
