@@ -333,6 +333,18 @@ def test_threads_asked_for_read_it_at_once_and_warn(records, no_leak):
         list(loader)
 
 
+def test_threads_asked_for_after_an_auto_loader_read_it_warn_too(records, no_leak):
+    """The watch is the dataset's, for all its loaders: a first loader under ``"auto"`` found the
+    state (its reads took turns), and a later one's threads, asked for, read it at once."""
+    dataset = Records(records, 64)
+    assert samples_of(torch_spdl.DataLoader(dataset, batch_size=16, num_workers=2)) == list(
+        range(64)
+    )
+    loader = torch_spdl.DataLoader(dataset, batch_size=16, num_workers=2, worker_method="thread")
+    with pytest.warns(UserWarning, match="Records sets file on itself as it reads: its worker"):
+        list(loader)
+
+
 class Unrestorable(Opening):
     def __len__(self) -> int:
         return 64  # batches enough for the trial to end within the pass

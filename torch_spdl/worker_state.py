@@ -235,6 +235,8 @@ class StateWatch:
 
         def guarded(task: T) -> R:
             if self._settled and not (serial and self.keeps_state):
+                if self.keeps_state and not serial:  # found by an earlier loader's first read
+                    self._warn()
                 return read(task)
             with self._turn:
                 seed = torch.initial_seed()  # changed by torch.manual_seed, not by drawing
