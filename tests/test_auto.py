@@ -1527,7 +1527,7 @@ def notebook_main(monkeypatch, **attributes: Any) -> Any:
     return main
 
 
-@pytest.mark.parametrize("held", ["class", "function", "nothing"])
+@pytest.mark.parametrize("held", ["class", "function", "worker_init_fn", "nothing"])
 def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(monkeypatch, held):
     import functools
 
@@ -1536,16 +1536,17 @@ def test_auto_starts_no_worker_that_could_not_unpickle_what_a_notebook_defined(m
     from torch_spdl.processes import PoolStarter
 
     notebook_main(monkeypatch)
-    dataset = {"class": NotebookSamples(4), "function": Indices(4), "nothing": Indices(4)}[held]
+    dataset = NotebookSamples(4) if held == "class" else Indices(4)
     collate = functools.partial(notebook_transform) if held == "function" else None
+    init = notebook_transform if held == "worker_init_fn" else None
     # a tensor in the job: its data is skipped, not copied, and names nothing
     dataset.weights = torch.zeros(4)
-    starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, None, None, None)
+    starter = PoolStarter(FetchJob(dataset, True, collate), 2, 0, init, None, None)
     reason = starter.vet().why
     if held == "nothing":
         assert reason is None
         return
-    name = {"class": "NotebookSamples", "function": "notebook_transform"}[held]
+    name = "NotebookSamples" if held == "class" else "notebook_transform"
     assert reason == (
         f"worker processes cannot unpickle {name}: defined in __main__, which has no file they "
         "could import (a notebook or python -c)"

@@ -871,8 +871,9 @@ class PoolStarter:
         """Whether ``"auto"`` may start these workers, and the size of what each is sent. Not
         where a main module they could not import, or a script without a main guard that they
         would (see :mod:`.main_script`), or copies of the dataset too large for this host (see
-        :mod:`.pickled`). It pickles the job to look: ``"auto"`` asks only where it would start
-        them. Forked workers are sent nothing: they inherit the job."""
+        :mod:`.pickled`). It pickles what each is sent to look (the job and ``worker_init_fn``):
+        ``"auto"`` asks only where it would start them. Forked workers are sent nothing: they
+        inherit the job."""
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
             return Vetting(None, 0)
@@ -880,7 +881,7 @@ class PoolStarter:
             job = self._job()
         except TypeError as error:  # the dataset cannot be copied as it was
             return Vetting(str(error), 0)
-        found = contents(job)
+        found = contents((job, self.worker_init_fn))
         why = (
             unreachable_main(job, found)
             or _reruns_main()
