@@ -620,6 +620,40 @@ def test_a_stateful_map_style_dataset_with_workers_reads_as_torchs(method, persi
     assert (want[0] == want[1]) is not persistent  # fresh copies each epoch, or carried on
 
 
+class SetUpPerWorker(WorkerAugmenting):
+    """Its copy in each worker is set up by ``worker_init_fn`` (through
+    ``get_worker_info().dataset``, as torch's docs show), and each item says which worker's
+    setting and which worker read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setting = "none"
+
+    def __getitem__(self, index: int) -> str:
+        info = tud.get_worker_info()
+        return f"{self.setting} read by {info.id if info else None}: {super().__getitem__(index)}"
+
+
+def set_up_worker(worker_id: int) -> None:
+    tud.get_worker_info().dataset.setting = f"set up by {worker_id}"
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_worker_init_fn_sets_up_the_copy_that_a_stateful_datasets_worker_reads(method, in_order):
+    """Worker threads read such a dataset on a copy per worker, batch i on copy i % 2: that copy
+    is the one ``get_worker_info().dataset`` gives worker i % 2's ``worker_init_fn``, and while
+    a thread reads it, ``get_worker_info()`` is its worker's, as in torch's worker process. Before,
+    worker_init_fn set up the dataset the loader was given, which no worker read."""
+    options = dict(batch_size=2, num_workers=2, worker_init_fn=set_up_worker)
+    want = list(tud.DataLoader(SetUpPerWorker(), **options))  # batches of strings: lists
+    assert want[1][0].startswith("set up by 1 read by 1: ")
+    dataset = SetUpPerWorker()
+    got = list(DataLoader(dataset, worker_method=method, in_order=in_order, **options))
+    assert (got if in_order else sorted(got)) == (want if in_order else sorted(want))
+    assert dataset.setting == "none"  # the loader's own dataset is no worker's copy
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("taken", [1, 3, 5, 8])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])

@@ -28,6 +28,7 @@ from typing import Any
 
 from .batching import FetchTask
 from .pipeline.items import Failure
+from .workers import as_worker
 
 Keep = Callable[[int, int, Any], None]  # (position in the pass, copy, its state after the batch)
 
@@ -205,19 +206,31 @@ def _untagged(value: Any) -> Any:
 class ThreadCopies:
     """One copy of ``dataset`` per worker thread: ``copy.deepcopy``, as a worker process
     unpickles its own (a shallow copy would share the objects that hold the state, a generator
-    say). A dataset can share its large read-only parts through ``__deepcopy__``."""
+    say). A dataset can share its large read-only parts through ``__deepcopy__``.
+
+    Each copy has its worker's WorkerInfo (``info(copy, worker_id)``), as worker process ``i``
+    has its copy's: ``infos[i]`` is what the thread that starts as worker ``i`` gives its
+    ``worker_init_fn`` (:func:`~torch_spdl.workers.worker_starter`), which so sets up copy
+    ``i``, and what ``get_worker_info()`` answers in whichever thread reads a batch of copy
+    ``i``."""
 
     def __init__(
-        self, dataset: Any, workers: int, fetcher: Callable[[Any], Callable[[FetchTask], Any]]
+        self,
+        dataset: Any,
+        workers: int,
+        fetcher: Callable[[Any], Callable[[FetchTask], Any]],
+        info: Callable[[Any, int], Any],
     ) -> None:
         self._copies = [copy.deepcopy(dataset) for _ in range(workers)]
         self._fetchers = [fetcher(twin) for twin in self._copies]
+        self.infos = [info(twin, worker_id) for worker_id, twin in enumerate(self._copies)]
 
     def run(self, task: CopyTask, keep: Callable[[Any], None]) -> Any:
         dataset = self._copies[task.copy]
         if task.start is not None:
             dataset.load_state_dict(copy.deepcopy(task.start))
         try:
-            return self._fetchers[task.copy](task)
+            with as_worker(self.infos[task.copy]):
+                return self._fetchers[task.copy](task)
         finally:  # a batch that raised moved the state too
             keep(copy.deepcopy(dataset.state_dict()))

@@ -74,7 +74,7 @@ from .stats import ConsumerClock, PeriodicReport, StatsProbe
 from .switch import Cut, Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
-from .workers import worker_starter
+from .workers import worker_info, worker_starter
 
 if TYPE_CHECKING:
     from .dataloader import DataLoader
@@ -255,6 +255,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pool = pool
         self._switch = None
         iterable = plan.shape == STREAMS
+        # a dataset with state per worker: worker threads read a copy per worker (copies.py)
+        copies = self._thread_copies() if plan.copies and pool is None and not iterable else None
         start = (
             pool.start
             if pool is not None
@@ -265,6 +267,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 loader.worker_init_fn,
                 # a stream's worker threads each have their own copy of the dataset
                 copies=self._streams.dataset if iterable else None,
+                infos=None if copies is None else copies.infos,
             )
         )
         if iterable:
@@ -278,7 +281,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             return self._pipeline_of(PipelineBuilder().add_source(streams), pool)
         hooks = self._plan.hooks
         if hooks is None:
-            builder = self._fetch_pipeline(*self._fetch_stage(loader, pool, start))
+            builder = self._fetch_pipeline(*self._fetch_stage(loader, pool, start, copies))
         else:
             auto = self._auto_collation
             tasks = group_tasks if plan.load_many else sample_tasks
@@ -365,12 +368,16 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return following
 
     def _fetch_stage(
-        self, loader: DataLoader, pool: ProcessPool | None, start: Callable[[int], None]
+        self,
+        loader: DataLoader,
+        pool: ProcessPool | None,
+        start: Callable[[int], None],
+        copies: ThreadCopies | None,
     ) -> CpuStage:
         """The ``fetch`` stage's function, ``on_start`` and gate, and the source's tasks for
-        it."""
+        it; ``copies``, the worker threads' copies of a dataset with state per worker."""
         if self._plan.copies:
-            return self._on_copies(pool), start, None
+            return self._on_copies(pool, copies), start, None
         self._make_source = fetch_tasks
         if pool is None:
             read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -381,20 +388,29 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         fn = fetch if pool is None else pool.stage("fetch")
         return self._cpu_stage(loader, fn, start, "fetch", tasks_per_batch=1)
 
-    def _on_copies(self, pool: ProcessPool | None) -> Callable[[CopyTask], Any]:
+    def _on_copies(
+        self, pool: ProcessPool | None, copies: ThreadCopies | None
+    ) -> Callable[[CopyTask], Any]:
         """The fetch stage over one copy of a dataset with state per worker, batch ``i`` on copy
-        ``i % num_workers`` (:mod:`torch_spdl.copies`), in worker threads or processes; the
-        pass's source numbers the tasks so (:func:`~torch_spdl.copies.copy_tasks`)."""
+        ``i % num_workers`` (:mod:`torch_spdl.copies`), in worker processes (``pool``) or on the
+        threads' ``copies``; the pass's source numbers the tasks so
+        (:func:`~torch_spdl.copies.copy_tasks`)."""
         turns = self._turns = Turns(self._num_workers)
         if pool is not None:
             run = pool.fetch_on
         else:
-            auto, finish, budget = self._auto_collation, self._finish, self._budget
-            fetcher = lambda dataset: batch_fetcher(dataset, auto, finish, budget)  # noqa: E731
-            run = ThreadCopies(self._dataset, self._num_workers, fetcher).run
-
+            assert copies is not None  # made with the pipeline where no pool reads the copies
+            run = copies.run
         self._make_source = self._current.copy_tasks(turns)
         return on_copies(run, turns, tagged=not self._plan.in_order)
+
+    def _thread_copies(self) -> ThreadCopies:
+        """A copy of the dataset per worker thread, each with its worker's WorkerInfo."""
+        auto, finish, budget = self._auto_collation, self._finish, self._budget
+        fetcher = lambda dataset: batch_fetcher(dataset, auto, finish, budget)  # noqa: E731
+        workers, seed = self._num_workers, int(self._base_seed)
+        info = lambda twin, worker: worker_info(twin, worker, workers, seed, "thread")  # noqa: E731
+        return ThreadCopies(self._dataset, workers, fetcher, info)
 
     def _pipe(
         self,

@@ -22,7 +22,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -245,25 +245,51 @@ def worker_starter(
     base_seed: int,
     worker_init_fn: Callable[[int], None] | None,
     copies: Callable[[int], Any] | None = None,
+    infos: Sequence[Any] | None = None,
 ) -> Callable[[int], None]:
     """The ``on_start`` of a worker pool: single-threaded kernels (:func:`single_threaded_kernels`),
     the thread's WorkerInfo, then ``worker_init_fn``.
 
     ``WorkerInfo.dataset`` is ``dataset``, or ``copies(worker_id)`` where each worker has its own
-    (an IterableDataset's, see :class:`~torch_spdl.sampling.WorkerStreams`). Seeds follow torch
-    (``base_seed + worker_id``), but the global RNGs are *not* reseeded: they are shared by all
-    threads, so reseeding them per worker would only reset everyone's stream.
+    (an IterableDataset's, see :class:`~torch_spdl.sampling.WorkerStreams`). ``infos``: each
+    worker's WorkerInfo, made already, where the workers' copies have theirs
+    (:class:`~torch_spdl.copies.ThreadCopies`). Seeds follow torch (``base_seed + worker_id``),
+    but the global RNGs are *not* reseeded: they are shared by all threads, so reseeding them
+    per worker would only reset everyone's stream.
     """
 
     def start(worker_id: int) -> None:
         single_threaded_kernels()
-        own = dataset if copies is None else copies(worker_id)
-        _thread_state.info = worker_info(own, worker_id, num_workers, base_seed, "thread")
+        if infos is not None:
+            _thread_state.info = info = infos[worker_id]
+            own = info.dataset
+        else:
+            own = dataset if copies is None else copies(worker_id)
+            _thread_state.info = worker_info(own, worker_id, num_workers, base_seed, "thread")
         if worker_init_fn is not None:
             with datapipe_graph(own):  # torch's docs have it walk the graph: one at a time
                 worker_init_fn(worker_id)
 
     return start
+
+
+@contextlib.contextmanager
+def as_worker(info: Any) -> Iterator[None]:
+    """``get_worker_info()`` answers ``info`` in this thread for the block: a thread reading
+    worker ``info.id``'s copy of the dataset reads it as that worker (see
+    :class:`~torch_spdl.copies.ThreadCopies`)."""
+    own = _thread_state.__dict__.get("info", _NONE)
+    _thread_state.info = info
+    try:
+        yield
+    finally:
+        if own is _NONE:
+            del _thread_state.info
+        else:
+            _thread_state.info = own
+
+
+_NONE = object()  # a thread with no info of its own
 
 
 def set_process_worker_info(info: Any) -> None:
