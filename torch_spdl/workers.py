@@ -120,16 +120,10 @@ _make_get_worker_info_thread_aware()
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
 
 
-@contextlib.contextmanager
-def _own_info_hidden() -> Iterator[None]:
+def _own_info_hidden() -> contextlib.AbstractContextManager[None]:
     """``get_worker_info()`` answers, in this thread, what it answers outside worker threads:
     None in the main process, the process's own info in a worker process."""
-    own = _thread_state.__dict__.pop("info", None)
-    try:
-        yield
-    finally:
-        if own is not None:
-            _thread_state.info = own
+    return as_worker(None)
 
 
 def collate_in_process_memory() -> None:
@@ -277,16 +271,18 @@ def worker_starter(
 def as_worker(info: Any) -> Iterator[None]:
     """``get_worker_info()`` answers ``info`` in this thread for the block: a thread reading
     worker ``info.id``'s copy of the dataset reads it as that worker (see
-    :class:`~torch_spdl.copies.ThreadCopies`)."""
-    own = _thread_state.__dict__.get("info", _NONE)
-    _thread_state.info = info
+    :class:`~torch_spdl.copies.ThreadCopies`); with None, what it answers outside worker
+    threads. The thread's own info is back after the block."""
+    state = _thread_state.__dict__
+    own = state.pop("info", _NONE)
+    if info is not None:
+        state["info"] = info
     try:
         yield
     finally:
-        if own is _NONE:
-            del _thread_state.info
-        else:
-            _thread_state.info = own
+        state.pop("info", None)
+        if own is not _NONE:
+            state["info"] = own
 
 
 _NONE = object()  # a thread with no info of its own
