@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-from .pickled import Contents, contents
+from .pickled import contents
 
 
 def _main_path(main: Any) -> str | None:
@@ -125,12 +125,18 @@ def _blocks(node: ast.stmt) -> list[list[ast.stmt]]:
     return blocks
 
 
-def unreachable_main(job: Any, found: Contents | None = None) -> str | None:
+def _main_names(job: Any, known: list[str] | None) -> list[str]:
+    """``known``, or what pickling ``job`` finds of ``__main__``."""
+    return contents(job).main_names if known is None else known
+
+
+def unreachable_main(job: Any, main_names: list[str] | None = None) -> str | None:
     """Why workers that import the main module could not run ``job``, or None where they can:
     the main module was read from standard input (no worker can start), it has no file and
     ``job`` holds classes or functions defined in it, or ``job`` holds some the script defines
-    only under its main guard (no worker can unpickle them). ``found``: what pickling ``job``
-    found, if the caller has it (else it is pickled here, where needed)."""
+    only under its main guard (no worker can unpickle them). ``main_names``: the classes and
+    functions of ``__main__`` that pickling ``job`` found, if the caller has them (else it is
+    pickled here, where needed)."""
     main = sys.modules.get("__main__")
     if main is None:
         return None
@@ -139,7 +145,7 @@ def unreachable_main(job: Any, found: Contents | None = None) -> str | None:
         guarded = _guarded_definitions(path)
         if not guarded:
             return None  # pickling the job cannot find what is not there
-        names = [n for n in (found or contents(job)).main_names if n.split(".")[0] in guarded]
+        names = [n for n in _main_names(job, main_names) if n.split(".")[0] in guarded]
         if not names:
             return None
         return (
@@ -152,7 +158,7 @@ def unreachable_main(job: Any, found: Contents | None = None) -> str | None:
     file = getattr(main, "__file__", None)
     if file is not None:
         return f"the main script was read from {file}, which worker processes cannot import"
-    names = (found or contents(job)).main_names
+    names = _main_names(job, main_names)
     if not names:
         return None
     return (

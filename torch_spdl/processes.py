@@ -75,7 +75,7 @@ from .copies import CopyTask
 from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
-from .pickled import Contents, contents, copies_too_large
+from .pickled import contents, copies_too_large
 from .pipeline import EngineError, Failure, Pipeline
 from .pipeline.ahead import NOT_YET, Result
 from .priority import below_this_process, run_at
@@ -883,7 +883,7 @@ class PoolStarter:
             return Vetting(str(error), 0)
         found = contents((job, self.worker_init_fn))
         why = (
-            unreachable_main(job, found)
+            unreachable_main(job, found.main_names)
             or _reruns_main()
             or copies_too_large(found, self.num_workers)
         )
@@ -895,8 +895,8 @@ class PoolStarter:
         What ``packed`` found as it was pickled spares the check a pickle of its own."""
         if context.get_start_method() == "fork":
             return
-        found = Contents(packed.main_names, 0) if isinstance(packed, Packed) else None
-        reason = unreachable_main(job, found) or _reruns_main()
+        names = packed.main_names if isinstance(packed, Packed) else None
+        reason = unreachable_main(job, names) or _reruns_main()
         if reason is not None:
             raise RuntimeError(
                 f"worker_method='process' cannot start its workers by "
