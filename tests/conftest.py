@@ -124,6 +124,32 @@ def released(monkeypatch):
 
 
 @pytest.fixture
+def given_back(monkeypatch):
+    """The received tensors whose worker's segment ``torch_spdl.segments.give_back`` gave back
+    to the worker, in order."""
+    from torch_spdl import segments
+
+    calls: list = []
+    give_back = segments.give_back
+    monkeypatch.setattr(segments, "give_back", lambda t: give_back(t) and (calls.append(t) or True))
+    return calls
+
+
+@pytest.fixture(params=["reused", "own"])
+def reply_segments(request, monkeypatch):
+    """Each way a worker's reply sends its large tensors: in the segments it uses again
+    (``"reused"``, where ``memfd_create`` is), or in a segment per tensor (``"own"``, the
+    fallback elsewhere)."""
+    from torch_spdl import segments
+
+    if request.param == "reused" and not segments.available():
+        pytest.skip("no memfd_create here")
+    if request.param == "own":
+        monkeypatch.setattr(segments, "available", lambda: False)
+    return request.param
+
+
+@pytest.fixture
 def fork_server_up(request):
     """A fork server already up, with the test module preloaded: a fresh one imports torch,
     seconds on this machine, and a pass that begins meanwhile runs on its threads."""

@@ -26,7 +26,7 @@ from torchvision.transforms import RandomResizedCrop as TorchvisionRandomResized
 from torchvision.transforms.v2 import Resize
 from torchvision.transforms.v2 import functional as F
 
-from torch_spdl import DataLoader, StagedDataset, messages
+from torch_spdl import DataLoader, StagedDataset, messages, segments
 from torch_spdl.io import (
     EncodedBatch,
     EncodedImage,
@@ -575,7 +575,7 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     received = pickle.loads(message)
     assert isinstance(received, EncodedBatch) and len(received) == len(encoded)
     storages = {image.data.untyped_storage().data_ptr() for image in received.images}
-    assert len(storages) == 1 and received.images[0].data.is_shared()
+    assert len(storages) == 1
     for got, sent in zip(received.images, encoded.images, strict=True):
         assert torch.equal(got.data, sent.data)
         assert (got.box, got.flip, got.size, got.mode, got.device, got.jpeg) == (
@@ -610,10 +610,11 @@ def test_the_transfer_stage_takes_which_images_are_jpegs_from_the_crop(monkeypat
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
-def test_the_transfer_stage_gives_back_a_received_batchs_bytes_once_decoded():
+def test_the_transfer_stage_gives_back_a_received_batchs_bytes_once_decoded(reply_segments: str):
     """A batch that came from a worker process: the transfer stage's decode equals the batch's
-    own, and then the shared-memory bytes, which nothing else reads, are given back (zeros on
-    Linux, torch_spdl.shared_pages). A batch made here keeps its bytes."""
+    own, and then the shared-memory bytes, which nothing else reads, are given back: to the
+    worker (torch_spdl.segments), or freed (zeros on Linux, torch_spdl.shared_pages). A batch
+    made here keeps its bytes."""
     torch.manual_seed(0)
     local = collate_images(
         [RandomResizedCrop(48, decode_on="cpu")(d) for d in varied_images() * 12]
@@ -623,7 +624,9 @@ def test_the_transfer_stage_gives_back_a_received_batchs_bytes_once_decoded():
     assert torch.equal(received.finish_on(torch.device("cpu")), expected)
     packed = received.images[0].data.untyped_storage()
     assert packed.nbytes() > messages.INLINE_BYTES
-    if sys.platform.startswith("linux"):
+    if reply_segments == "reused":
+        assert segments.given_back(received._packed)
+    elif sys.platform.startswith("linux"):
         assert not any(packed.tolist())
     assert torch.equal(local.finish_on(torch.device("cpu")), expected)
     assert all(image.data.count_nonzero() > 0 for image in local.images)

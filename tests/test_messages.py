@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_spdl import messages, shared_buffers
+from torch_spdl import messages, segments, shared_buffers
 
 
 def many_small(count: int) -> list[torch.Tensor]:
@@ -170,28 +170,34 @@ def test_a_large_message_gives_its_segment_back_once_read(released: list[torch.T
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
-def test_a_large_batch_crosses_in_a_segment_of_its_own():
-    """A collated batch is copied into a segment made for its message: the sender's tensor stays
+def test_a_large_batch_crosses_in_shared_memory_of_the_replys_own(reply_segments: str):
+    """A collated batch is copied into shared memory made for replies: the sender's tensor stays
     private (a worker's cache that holds it never reads memory the main process gave back), and
-    the received one is marked as the message's own, equal to what was sent."""
+    the received one is marked as arrived so, equal to what was sent, in its own memory. A
+    view, and a request from the main process, go as torch sends them."""
     batch = torch.arange(3 * messages.INLINE_BYTES, dtype=torch.int32).view(3, -1)
     received = pickle.loads(messages.dumps({"images": batch}, reply=True))["images"]
-    assert not batch.is_shared()
-    assert received.is_shared() and torch.equal(received, batch)
-    assert getattr(received, messages._OWN_SEGMENT)
+    assert not batch.is_shared() and torch.equal(received, batch)
+    assert received.data_ptr() != batch.data_ptr()
+    if reply_segments == "reused":
+        assert segments.received_in_segment(received) and not received.is_shared()
+    else:
+        assert received.is_shared() and getattr(received, messages._OWN_SEGMENT)
     view = torch.arange(4 * messages.INLINE_BYTES, dtype=torch.uint8)[: 2 * messages.INLINE_BYTES]
     sent_view = pickle.loads(messages.dumps(view, reply=True))
     assert torch.equal(sent_view, view) and not hasattr(sent_view, messages._OWN_SEGMENT)
+    assert not segments.received_in_segment(sent_view)
     request = torch.ones(2 * messages.INLINE_BYTES, dtype=torch.uint8)  # main → worker
     sent_request = pickle.loads(messages.dumps(request))
     assert request.is_shared() and not hasattr(sent_request, messages._OWN_SEGMENT)
+    assert not segments.received_in_segment(sent_request)
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
-def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch():
-    """After pinning (a copy here, as ``pin_memory`` makes one), the segments a batch arrived in
-    are given back; a tensor the pinned batch still holds as it is, and a shared tensor that did
-    not arrive in a segment of its own, keep their data."""
+def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch(reply_segments: str):
+    """After pinning (a copy here, as ``pin_memory`` makes one), the memory a batch arrived in is
+    given back: to the worker that sent it, or freed; a tensor the pinned batch still holds as
+    it is, and a shared tensor that did not arrive in a reply's memory, keep their data."""
     big = 2 * messages.INLINE_BYTES
     sent = {"a": torch.ones(big, dtype=torch.uint8), "b": torch.full((big,), 2, dtype=torch.uint8)}
     received = pickle.loads(messages.dumps(sent, reply=True))
@@ -200,7 +206,9 @@ def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch():
     messages.release_received(received, pinned)
     assert torch.equal(pinned["a"], sent["a"]) and torch.equal(pinned["b"], sent["b"])
     assert bool((received["c"] == 3).all())
-    if sys.platform.startswith("linux"):
+    if reply_segments == "reused":
+        assert segments.given_back(received["a"]) and not segments.given_back(received["b"])
+    elif sys.platform.startswith("linux"):
         assert received["a"].count_nonzero() == 0  # given back
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
-from . import shared_buffers, shared_pages
+from . import segments, shared_buffers, shared_pages
 from .compat import new_shared_storage
 from .pickled import note_main
 from .transfer import map_tensors
@@ -75,14 +75,22 @@ def _own_segment(tensor: torch.Tensor) -> torch.Tensor | None:
     tensor itself onto it: whatever else in the worker holds the tensor (a dataset's cache)
     would read the segment the main process is done with. Copied, the segment is the message's
     alone, and :func:`release_own` may give its pages back."""
-    if not _plain(tensor) or tensor.is_shared() or _dense_order(tensor) is None:
+    if not _copied_whole(tensor):
         return None
-    if tensor.untyped_storage().nbytes() != tensor.nbytes:
-        return None  # a view of a larger storage: torch's reductions send it as a view
     # a segment made empty (``share_memory_()`` would copy a new tensor's bytes into it first)
     segment = new_shared_storage(tensor.nbytes)
     fresh = torch.empty(0, dtype=tensor.dtype).set_(segment, 0, tensor.shape, tensor.stride())
     return fresh.copy_(tensor)
+
+
+def _copied_whole(tensor: torch.Tensor) -> bool:
+    """Whether a worker's reply sends ``tensor`` as a copy of its own (in a segment of its
+    own, or in one of the worker's :mod:`~torch_spdl.segments`): a plain CPU tensor not in shared
+    memory yet, all of its storage, dense in some order."""
+    if not _plain(tensor) or tensor.is_shared() or _dense_order(tensor) is None:
+        return False
+    # a view of a larger storage: torch's reductions send it as a view
+    return tensor.untyped_storage().nbytes() == tensor.nbytes
 
 
 def _received(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,9 +99,13 @@ def _received(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def release_own(tensor: torch.Tensor) -> bool:
-    """Give back, without the GIL, the pages of ``tensor`` if it arrived in a segment of its own
-    (:func:`_own_segment`), once nothing reads it; whether it did. Freed by their deallocation,
-    the pages would hold the GIL for ~0.18 ms a MB (:mod:`torch_spdl.shared_pages`)."""
+    """Give back ``tensor``'s memory, which nothing may read afterwards, if it arrived in a
+    segment the worker uses again (:func:`torch_spdl.segments.give_back`: the worker may write
+    its next batch there), or in a segment of its own (:func:`_own_segment`), whose pages go
+    without the GIL (freed by their deallocation, they would hold it for ~0.18 ms a MB:
+    :mod:`torch_spdl.shared_pages`); whether it did."""
+    if segments.give_back(tensor):
+        return True
     return getattr(tensor, _OWN_SEGMENT, False) and shared_pages.release(tensor)
 
 
@@ -130,7 +142,11 @@ class _Pickler(ForkingPickler):
             return NotImplemented
         order = _inline(obj)
         if order is None:
-            fresh = _own_segment(obj) if self.own_segments else None
+            if not self.own_segments:
+                return NotImplemented
+            if segments.available() and _copied_whole(obj):
+                return segments.segments().send(obj)
+            fresh = _own_segment(obj)
             return NotImplemented if fresh is None else (_received, (fresh,))
         data = obj.detach().permute(order).reshape(-1).view(torch.uint8).numpy()
         return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
@@ -151,19 +167,32 @@ def dumps(obj: Any, *, reply: bool = False) -> bytes:
     value, and the whole message into shared memory where it is large (:data:`LARGE_MESSAGE`).
     ``Connection.recv`` reads it back, as for ``Connection.send``.
 
-    A worker's ``reply`` copies its large tensors into segments of their own, which the main
-    process gives back once it has pinned them (:func:`release_received`); the main process's
-    requests need not pay for the copy: a worker pins nothing.
+    A worker's ``reply`` copies its large tensors into shared memory of its own: the segments
+    it uses again (:mod:`torch_spdl.segments`), or, where the platform cannot make them, a
+    segment per tensor. The main process gives them back once it has pinned them
+    (:func:`release_received`); its requests need not pay for the copy: a worker pins nothing.
 
     The message is the buffer's ``bytes`` (``getvalue()`` hands over its own, uncopied), not a
     view of it: from Python 3.13 a ``BytesIO`` whose view a reference cycle holds (a failed
     send's traceback, say) fails to close when the cycle is collected, and Python prints that
     error to stderr."""
     buffer = io.BytesIO()
-    _Pickler(buffer, own_segments=reply).dump(obj)
+    try:
+        _Pickler(buffer, own_segments=reply).dump(obj)
+    except BaseException:
+        _leased(reply, ok=False)
+        raise
+    _leased(reply, ok=True)
     if buffer.tell() <= LARGE_MESSAGE:
         return buffer.getvalue()
     return _in_shared_memory(buffer.getbuffer())
+
+
+def _leased(reply: bool, ok: bool) -> None:
+    """A reply's pickling is over: the worker's segments it leased are sent, or, where it failed
+    (``ok`` False), free again."""
+    if reply and segments.available():
+        segments.segments().sent(ok)
 
 
 class _Shared:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from . import segments
 from .compat import (
     RNG,
     WORKER_INFO_FIELDS,
@@ -50,10 +51,16 @@ class _ThreadState(threading.local):
 
 _thread_state = _ThreadState()
 
+NO_WORKER: Any = object()
+"""A thread's info (:func:`as_worker`) for which ``get_worker_info()`` answers None, even in a
+worker process."""
+
 _THREAD_AWARE_SOURCE = """
 def get_worker_info():
     info = getattr(_torch_spdl_thread_state, "info", None)
-    return _torch_spdl_get_worker_info() if info is None else info
+    if info is None:
+        return _torch_spdl_get_worker_info()
+    return None if info is _torch_spdl_no_worker else info
 """
 
 
@@ -72,8 +79,9 @@ def _make_get_worker_info_thread_aware() -> None:
     if namespace is None:  # not a plain function: its code cannot be swapped
         _replace_get_worker_info(target)
         return
-    if "_torch_spdl_get_worker_info" in namespace:
-        namespace["_torch_spdl_thread_state"] = _thread_state  # this module was reloaded
+    if "_torch_spdl_get_worker_info" in namespace:  # this module was reloaded
+        namespace["_torch_spdl_thread_state"] = _thread_state
+        namespace["_torch_spdl_no_worker"] = NO_WORKER
         return
     try:
         original = types.FunctionType(
@@ -87,6 +95,7 @@ def _make_get_worker_info_thread_aware() -> None:
         return
     namespace["_torch_spdl_get_worker_info"] = original
     namespace["_torch_spdl_thread_state"] = _thread_state
+    namespace["_torch_spdl_no_worker"] = NO_WORKER
 
 
 def _replace_get_worker_info(original: Callable[[], Any]) -> None:
@@ -96,7 +105,9 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
 
     def get_worker_info() -> Any:
         info = getattr(_thread_state, "info", None)
-        return original() if info is None else info
+        if info is None:
+            return original()
+        return None if info is NO_WORKER else info
 
     get_worker_info.__doc__ = original.__doc__
     for name, module in list(sys.modules.items()):
@@ -120,23 +131,21 @@ _make_get_worker_info_thread_aware()
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
 
 
-def _own_info_hidden() -> contextlib.AbstractContextManager[None]:
-    """``get_worker_info()`` answers, in this thread, what it answers outside worker threads:
-    None in the main process, the process's own info in a worker process."""
-    return as_worker(None)
-
-
 def collate_in_process_memory() -> None:
-    """Let ``default_collate`` stack a worker thread's tensors in the process's own memory.
+    """Let ``default_collate`` stack a worker's tensors in the process's own memory.
 
     torch's ``collate_tensor_fn`` stacks into a new shared-memory segment wherever
     ``get_worker_info()`` answers: in torch that is a worker process, whose batch goes to the
     main process. A worker thread's batch is already where it is used. A segment per batch
     costs its creation and a page fault per page (about 75 µs of CPU per 150 KB image,
-    docs/performance.md), and fills ``/dev/shm``, which containers often keep small. So the
-    tensor entry of torch's table (:func:`~torch_spdl.compat.default_collate_fn_map`) hides a
-    worker thread's own info while it stacks. Only torch's own entry is wrapped: one a user put
-    there runs as given. A worker process still stacks into shared memory, as torch's does.
+    docs/performance.md), and fills ``/dev/shm``, which containers often keep small. A worker
+    process's reply is copied into a segment the worker writes again
+    (:mod:`torch_spdl.segments`) where the platform can make them, which costs a tenth of a new
+    segment's pages. So the tensor entry of torch's table
+    (:func:`~torch_spdl.compat.default_collate_fn_map`) answers None to ``get_worker_info()``
+    while it stacks: in a worker thread, and in a worker process whose replies go through such
+    segments (elsewhere a worker process stacks into shared memory, as torch's does). Only
+    torch's own entry is wrapped: one a user put there runs as given.
     """
     table = default_collate_fn_map()
     original = None if table is None else table.get(torch.Tensor)
@@ -145,11 +154,20 @@ def collate_in_process_memory() -> None:
 
     @functools.wraps(original)
     def collate_tensor_fn(batch: Any, *, collate_fn_map: Any = None) -> Any:
-        with _own_info_hidden():
+        with as_worker(_stacking_info()):
             return original(batch, collate_fn_map=collate_fn_map)
 
     collate_tensor_fn.__module__ = __name__
     table[torch.Tensor] = collate_tensor_fn
+
+
+def _stacking_info() -> Any:
+    """This thread's info while ``default_collate`` stacks: a worker process of ours whose
+    replies go through segments answers None (:data:`NO_WORKER`); elsewhere what a thread
+    outside the worker threads answers (a worker process of a torch ``DataLoader`` beside ours
+    keeps its info, and its shared memory)."""
+    ours = _ThreadState.info is not None  # set in our worker processes alone
+    return NO_WORKER if ours and segments.available() else None
 
 
 collate_in_process_memory()
