@@ -154,3 +154,57 @@ def test_a_forked_child_that_frees_its_copy_of_a_batch_gives_nothing_back(own_se
     assert process.exitcode == 0
     assert [segment.free for segment in own_segments._tracked] == [False]
     assert bool((held == 5).all())
+
+
+BIG_BATCHES = """
+import torch
+import torch_spdl
+
+
+class Images(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32 * 8
+
+    def __getitem__(self, index):
+        return torch.full((3, 224, 224), index % 251, dtype=torch.uint8)
+
+
+if __name__ == "__main__":
+    try:  # the limit holds: torch's shared memory cannot take 32 MB
+        torch.ones(32 << 20, dtype=torch.uint8).share_memory_()
+    except RuntimeError:
+        pass
+    else:
+        raise SystemExit("/dev/shm is not limited here")
+    loader = torch_spdl.DataLoader(
+        Images(), batch_size=32, num_workers=2, worker_method="process", prefetch_factor=4
+    )
+    batches = list(loader)  # 8 batches of 4.8 MB, up to 8 in flight
+    assert [int(batch[0, 0, 0, 0]) for batch in batches] == [32 * i % 251 for i in range(8)]
+    print("ok")
+"""
+
+
+def test_worker_processes_batches_need_no_room_in_dev_shm(tmp_path):
+    """A container's ``/dev/shm`` is often 64 MB (Docker's default), and torch's workers fail
+    once their batches in flight fill it. The segments are memory files (``memfd_create``),
+    which its size does not limit: batches come through a ``/dev/shm`` of 16 MB."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = tmp_path / "big_batches.py"
+    script.write_text(BIG_BATCHES)
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    command = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} {script}"
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, timeout=300
+    )
+    if (
+        done.returncode != 0
+        and "ok" not in done.stdout
+        and ("unshare" in done.stderr or "mount" in done.stderr)
+    ):
+        pytest.skip(f"cannot mount a small /dev/shm here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
