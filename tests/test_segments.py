@@ -157,6 +157,8 @@ def test_a_forked_child_that_frees_its_copy_of_a_batch_gives_nothing_back(own_se
 
 
 BIG_BATCHES = """
+import os
+
 import torch
 import torch_spdl
 
@@ -170,12 +172,18 @@ class Images(torch.utils.data.Dataset):
 
 
 if __name__ == "__main__":
-    try:  # the limit holds: torch's shared memory cannot take 32 MB
-        torch.ones(32 << 20, dtype=torch.uint8).share_memory_()
-    except RuntimeError:
+    # the limit holds: /dev/shm cannot take 32 MB (asked of the file system, not of torch,
+    # whose older releases write into a full /dev/shm and die of SIGBUS)
+    fd = os.open("/dev/shm/torch_spdl-test", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 32 << 20)
+    except OSError:
         pass
     else:
         raise SystemExit("/dev/shm is not limited here")
+    finally:
+        os.close(fd)
+        os.unlink("/dev/shm/torch_spdl-test")
     loader = torch_spdl.DataLoader(
         Images(), batch_size=32, num_workers=2, worker_method="process", prefetch_factor=4
     )
