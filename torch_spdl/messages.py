@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
-from . import segments, shared_buffers, shared_pages
+from . import layout, segments, shared_buffers, shared_pages
 from .compat import new_shared_storage
 from .pickled import note_main
 from .transfer import map_tensors
@@ -32,14 +32,6 @@ A tensor in shared memory costs a fixed ~0.6 ms here (a shared-memory segment, a
 descriptor fetched from the sender over a socket with an authentication handshake); a copy costs
 ~0.1 ms plus ~2 µs per KiB. They break even around 1-2 MiB (2-core machine, 2026-11-21). Per-sample
 results of a ``preprocess`` hook are mostly small, and a collated batch mostly large."""
-
-
-def _dense_order(tensor: torch.Tensor) -> list[int] | None:
-    """The order of ``tensor``'s dimensions in memory, outermost first, where its elements fill
-    its memory without gaps in some order (contiguous, channels-last, any permutation of a
-    contiguous tensor); None for views with gaps or overlaps."""
-    order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
-    return order if tensor.permute(order).is_contiguous() else None
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -60,37 +52,38 @@ def _inline(tensor: torch.Tensor) -> list[int] | None:
     memory; else None."""
     if not (_plain(tensor) and tensor.nbytes <= INLINE_BYTES):
         return None
-    return _dense_order(tensor)
+    return layout.memory_order(tensor)
 
 
 _OWN_SEGMENT = "_torch_spdl_own_segment"
 """Set on a tensor received in a segment made for its message alone (:func:`_own_segment`)."""
 
 
-def _own_segment(tensor: torch.Tensor) -> torch.Tensor | None:
-    """For a plain, large CPU tensor not yet in shared memory that is all of its storage (a
-    collated batch), a copy in a segment of its own; else None, and torch's reductions send it.
+def _own_segment(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (one :func:`_copied_whole` accepts: a collated batch) in a segment of
+    its own.
 
     torch's ``share_memory_()`` copies a tensor into a new segment too, but then swaps the
     tensor itself onto it: whatever else in the worker holds the tensor (a dataset's cache)
     would read the segment the main process is done with. Copied, the segment is the message's
     alone, and :func:`release_own` may give its pages back."""
-    if not _copied_whole(tensor):
-        return None
     # a segment made empty (``share_memory_()`` would copy a new tensor's bytes into it first)
     segment = new_shared_storage(tensor.nbytes)
     fresh = torch.empty(0, dtype=tensor.dtype).set_(segment, 0, tensor.shape, tensor.stride())
     return fresh.copy_(tensor)
 
 
-def _copied_whole(tensor: torch.Tensor) -> bool:
-    """Whether a worker's reply sends ``tensor`` as a copy of its own (in a segment of its
-    own, or in one of the worker's :mod:`~torch_spdl.segments`): a plain CPU tensor not in shared
-    memory yet, all of its storage, dense in some order."""
-    if not _plain(tensor) or tensor.is_shared() or _dense_order(tensor) is None:
-        return False
+def _copied_whole(tensor: torch.Tensor) -> list[int] | None:
+    """Where a worker's reply sends ``tensor`` as a copy of its own (in a segment of its own, or
+    in one of the worker's :mod:`~torch_spdl.segments`), the order of its dimensions in memory;
+    else None, and torch's reductions send it. Copied are plain CPU tensors not in shared memory
+    yet, all of their storage, dense in some order."""
+    if not _plain(tensor) or tensor.is_shared():
+        return None
     # a view of a larger storage: torch's reductions send it as a view
-    return tensor.untyped_storage().nbytes() == tensor.nbytes
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        return None
+    return layout.memory_order(tensor)
 
 
 def _received(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,11 +114,7 @@ def _rebuild_inline(
     data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], order: list[int] | None = None
 ) -> torch.Tensor:
     """The tensor :class:`_Pickler` sent, its memory layout (``order``) included."""
-    if order is None:
-        return torch.from_numpy(data).view(dtype).reshape(shape)
-    in_memory = [shape[d] for d in order]
-    back = sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
-    return torch.from_numpy(data).view(dtype).reshape(in_memory).permute(back)
+    return layout.rebuilt(torch.from_numpy(data), dtype, shape, order)
 
 
 class _Pickler(ForkingPickler):
@@ -141,15 +130,15 @@ class _Pickler(ForkingPickler):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         order = _inline(obj)
+        if order is not None:
+            data = layout.in_memory_order(obj, order).reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
+        order = _copied_whole(obj) if self.own_segments else None
         if order is None:
-            if not self.own_segments:
-                return NotImplemented
-            if segments.available() and _copied_whole(obj):
-                return segments.segments().send(obj)
-            fresh = _own_segment(obj)
-            return NotImplemented if fresh is None else (_received, (fresh,))
-        data = obj.detach().permute(order).reshape(-1).view(torch.uint8).numpy()
-        return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
+            return NotImplemented
+        if segments.available():
+            return segments.segments().send(obj, order)
+        return _received, (_own_segment(obj),)
 
 
 LARGE_MESSAGE = INLINE_BYTES

@@ -25,6 +25,7 @@ Where the platform has no ``memfd_create``, batches travel as torch sends them.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -35,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import layout
 
 TRACKED = 6
 """Segments a worker keeps, in use or free: the batches a worker has in flight (its next one
@@ -94,15 +97,14 @@ class Segments:
         self._unsent: list[_Segment] = []  # leased for the message being pickled
         self._lock = threading.Lock()  # a lease is one thread's
 
-    def send(self, tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
-        """``tensor`` (plain, dense in some order) copied into a segment, as the reduction the
-        main process rebuilds it from."""
+    def send(self, tensor: torch.Tensor, order: list[int]) -> tuple[Any, tuple[Any, ...]]:
+        """``tensor`` (plain, dense in memory ``order``: :func:`~torch_spdl.layout.memory_order`)
+        copied into a segment, as the reduction the main process rebuilds it from."""
         with self._lock:
             segment = self._lease(tensor.nbytes)
             segment.memory[0] = _SENT
             self._unsent.append(segment)
-        order = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
-        _write(segment.memory, tensor.detach().permute(order))
+        _write(segment.memory, layout.in_memory_order(tensor, order))
         size = _HEADER + segment.capacity
         reduced = (DupFd(segment.fd), size, tensor.dtype, tuple(tensor.shape), order)
         if segment not in self._tracked:
@@ -163,13 +165,11 @@ def _rebuild(
         memory = mmap.mmap(own, size)
     finally:
         os.close(own)
-    in_memory = [shape[d] for d in order]
-    nbytes = int(np.prod(in_memory, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     array = np.frombuffer(memory, np.uint8, nbytes, _HEADER)
     receipt = _Receipt(memory)
     weakref.finalize(array, receipt.give_back)
-    back = sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
-    tensor = torch.from_numpy(array).view(dtype).view(in_memory).permute(back)
+    tensor = layout.rebuilt(torch.from_numpy(array), dtype, shape, order)
     setattr(tensor, _RECEIPT, receipt)
     return tensor
 
