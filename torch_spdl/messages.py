@@ -120,7 +120,9 @@ def _rebuild_inline(
 class _Pickler(ForkingPickler):
     """torch's multiprocessing pickler, with small tensors by value (:data:`INLINE_BYTES`), in
     their own memory layout: a channels-last image stays channels-last; and, in a worker's
-    reply (``own_segments``), large ones in segments of their own (:func:`_own_segment`)."""
+    reply (``own_segments``), large ones copied into the segments the worker uses again
+    (:mod:`torch_spdl.segments`), or, where the platform cannot make them, into a segment each
+    (:func:`_own_segment`)."""
 
     def __init__(self, file: io.BytesIO, own_segments: bool) -> None:
         super().__init__(file)
