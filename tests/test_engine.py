@@ -20,8 +20,6 @@ def test_in_order_restores_source_order_despite_out_of_order_completion():
             assert gate.wait(10)
         return x * 10
 
-    pipe = Pipeline(range(8), [Stage("slow", slow_first, concurrency=4)])
-    results = []
     # item 0 is blocked until item 5 has been computed by another thread
     seen_five = threading.Event()
 
@@ -31,7 +29,6 @@ def test_in_order_restores_source_order_despite_out_of_order_completion():
             gate.set()
         return x
 
-    pipe.close()
     pipe = Pipeline(
         range(8),
         [Stage("slow", slow_first, concurrency=4), Stage("watch", release_when_five_done)],
