@@ -1281,6 +1281,63 @@ def test_cheap_gil_bound_batches_run_inline_with_torchs_batches(no_leak):
     assert executor.startswith(f"worker_method='auto' chose {chose}"), executor
 
 
+class SeededByWorker(Dataset):
+    """Cheap samples drawn from the worker's seed, as torch's docs suggest
+    (``get_worker_info().seed``): inline, in no worker, there is none."""
+
+    def __len__(self) -> int:
+        return 600
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = torch.utils.data.get_worker_info()
+        generator = torch.Generator().manual_seed(info.seed - info.id + index)
+        return torch.rand(2, generator=generator)
+
+
+@pytest.fixture
+def inline_if_possible(monkeypatch):
+    """``"auto"`` decides inline wherever the loader lets it, else threads, whatever it measured;
+    each decision's ``inline_possible`` is recorded."""
+    from torch_spdl import iterator
+
+    possible: list[bool] = []
+
+    def fixed(measured, inline_possible=True, **_):
+        possible.append(inline_possible)
+        return Decision(INLINE if inline_possible else THREAD, "the test decided", measured)
+
+    monkeypatch.setattr(iterator, "decide", fixed)
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    return possible
+
+
+@pytest.mark.parametrize(
+    "dataset, worker_init_fn, inline",
+    [
+        (Indices(600), None, True),
+        (Indices(600), lambda worker_id: None, False),  # it may set up what the worker reads
+        (SeededByWorker(), None, False),  # it asked which worker it is
+    ],
+)
+def test_a_stage_that_needs_a_worker_never_runs_inline(
+    inline_if_possible, no_leak, dataset, worker_init_fn, inline
+):
+    kwargs = dict(batch_size=8, num_workers=2, worker_init_fn=worker_init_fn)
+    torchs = list(
+        torch.utils.data.DataLoader(dataset, generator=torch.Generator().manual_seed(3), **kwargs)
+    )
+    for _ in range(2):  # the decision holds for the next pass
+        loader = torch_spdl.DataLoader(
+            dataset, generator=torch.Generator().manual_seed(3), persistent_workers=True, **kwargs
+        )
+        for _ in range(2):
+            got = list(loader)
+            assert all(torch.equal(a, b) for a, b in zip(got, torchs, strict=True))
+        chose = INLINE if inline else THREAD
+        assert loader.stats().executor.startswith(f"worker_method='auto' chose {chose}")
+    assert inline_if_possible == [inline] * 2
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_after_an_inline_decision_the_next_pass_runs_no_thread(no_leak, decides, persistent):
     """Later passes fetch in the loop's own thread, as num_workers=0 does: no worker thread to

@@ -74,7 +74,7 @@ from .stats import ConsumerClock, PeriodicReport, StatsProbe
 from .switch import Cut, Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
-from .workers import worker_info, worker_starter
+from .workers import Asked, worker_info, worker_starter
 
 if TYPE_CHECKING:
     from .dataloader import DataLoader
@@ -255,6 +255,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pool = pool
         self._switch = None
         iterable = plan.shape == STREAMS
+        self._asked = Asked()  # whether the dataset asks its worker threads' info
         # a dataset with state per worker: worker threads read a copy per worker (copies.py)
         copies = self._thread_copies() if plan.copies and pool is None and not iterable else None
         start = (
@@ -268,6 +269,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 # a stream's worker threads each have their own copy of the dataset
                 copies=self._streams.dataset if iterable else None,
                 infos=None if copies is None else copies.infos,
+                asked=self._asked,
             )
         )
         if iterable:
@@ -462,7 +464,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         # processes decided in an earlier pass that cannot start at once: their fork server
         # still imports, or their start is untried (Plan: "auto")
         pending = decided is not None and decided.executor == PROCESS
-        inline_possible = name == "fetch" and self._transfer is None
+        # inline, the stage runs in no worker: not where it needs one (see the concluder)
+        inits = loader.worker_init_fn is not None
+        inline_possible = name == "fetch" and self._transfer is None and not inits
         trial = None
         if decided is None or pending:
             total = self._pass_tasks(tasks_per_batch)
@@ -502,6 +506,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         if self._budget.enabled and self._plan.hooks is None:
             budget = "max_failures skips samples on threads only when there are no hooks"
         watch = loader._watch if self._plan.hooks is None and not self._plan.copies else None
+        asked = self._asked  # the dataset asked get_worker_info() in the trial: it needs a worker
 
         def conclude(trial: Trial) -> Decision:
             measured = trial.measured()
@@ -509,7 +514,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 decide,
                 measured,
                 gil_enabled=gil.gil_enabled(),
-                inline_possible=inline_possible,
+                inline_possible=inline_possible and not asked.seen,
                 remaining_tasks=trial.remaining(),  # what processes could take
                 keeps_state=None if watch is None else watch.describe(),
                 start_s=start_cost(),

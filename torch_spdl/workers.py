@@ -41,12 +41,21 @@ from .compat import (
 from .sampling import datapipe_graph
 
 
+class Asked:
+    """Whether ``get_worker_info()`` answered a stage's worker threads (or threads they started):
+    a stage whose dataset asks which worker it is must not run where it is none (inline)."""
+
+    seen = False
+
+
 class _ThreadState(threading.local):
     """``info``: a worker thread's own WorkerInfo. The class attribute is what every other thread
     sees: None, except in a worker process, where :func:`set_process_worker_info` makes it the
-    process's, so that threads its dataset starts see it whatever torch calls its own global."""
+    process's, so that threads its dataset starts see it whatever torch calls its own global.
+    ``asked``: the :class:`Asked` of the worker thread's stage, if it keeps one."""
 
     info: Any = None
+    asked: Asked | None = None
 
 
 _thread_state = _ThreadState()
@@ -60,8 +69,18 @@ def get_worker_info():
     info = getattr(_torch_spdl_thread_state, "info", None)
     if info is None:
         return _torch_spdl_get_worker_info()
-    return None if info is _torch_spdl_no_worker else info
+    if info is _torch_spdl_no_worker:
+        return None
+    _torch_spdl_note_asked()
+    return info
 """
+
+
+def _note_asked() -> None:
+    """A worker thread's info was asked for: its stage's :class:`Asked` says so."""
+    asked = _thread_state.asked
+    if asked is not None:
+        asked.seen = True
 
 
 def _make_get_worker_info_thread_aware() -> None:
@@ -80,8 +99,7 @@ def _make_get_worker_info_thread_aware() -> None:
         _replace_get_worker_info(target)
         return
     if "_torch_spdl_get_worker_info" in namespace:  # this module was reloaded
-        namespace["_torch_spdl_thread_state"] = _thread_state
-        namespace["_torch_spdl_no_worker"] = NO_WORKER
+        _publish(namespace)
         return
     try:
         original = types.FunctionType(
@@ -94,8 +112,14 @@ def _make_get_worker_info_thread_aware() -> None:
         _replace_get_worker_info(target)
         return
     namespace["_torch_spdl_get_worker_info"] = original
+    _publish(namespace)
+
+
+def _publish(namespace: dict[str, Any]) -> None:
+    """What the thread-aware code reads, in the namespace of torch's function."""
     namespace["_torch_spdl_thread_state"] = _thread_state
     namespace["_torch_spdl_no_worker"] = NO_WORKER
+    namespace["_torch_spdl_note_asked"] = _note_asked
 
 
 def _replace_get_worker_info(original: Callable[[], Any]) -> None:
@@ -107,7 +131,10 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
         info = getattr(_thread_state, "info", None)
         if info is None:
             return original()
-        return None if info is NO_WORKER else info
+        if info is NO_WORKER:
+            return None
+        _note_asked()
+        return info
 
     get_worker_info.__doc__ = original.__doc__
     for name, module in list(sys.modules.items()):
@@ -126,6 +153,36 @@ def _replace_get_worker_info(original: Callable[[], Any]) -> None:
 
 
 _make_get_worker_info_thread_aware()
+
+
+# torch_spdl reloaded: the start it wrapped before
+_start_thread = getattr(threading.Thread.start, "__wrapped__", threading.Thread.start)
+
+
+def _start_with_workers_info(thread: threading.Thread) -> None:
+    """``threading.Thread.start``, where a thread a worker thread starts answers
+    ``get_worker_info()`` as its starter does.
+
+    In a torch worker process every thread sees the worker's info, so a dataset may read it in a
+    thread it starts (a prefetching producer in an IterableDataset's ``__iter__``); a thread-local
+    info is not inherited, and such a thread would get None and read the whole stream, on every
+    worker. Threads started elsewhere start as they always do."""
+    own, asked = _thread_state.__dict__.get("info"), _thread_state.asked
+    if own is not None:
+        run = thread.run
+
+        def run_as_worker() -> None:
+            _thread_state.asked = asked
+            with as_worker(own):
+                run()
+
+        thread.run = run_as_worker  # type: ignore[method-assign]
+    _start_thread(thread)
+
+
+_start_with_workers_info.__wrapped__ = _start_thread  # type: ignore[attr-defined]
+_start_with_workers_info.__qualname__ = _start_thread.__qualname__
+threading.Thread.start = _start_with_workers_info  # type: ignore[method-assign,assignment]
 
 
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
@@ -258,9 +315,11 @@ def worker_starter(
     worker_init_fn: Callable[[int], None] | None,
     copies: Callable[[int], Any] | None = None,
     infos: Sequence[Any] | None = None,
+    asked: Asked | None = None,
 ) -> Callable[[int], None]:
     """The ``on_start`` of a worker pool: single-threaded kernels (:func:`single_threaded_kernels`),
-    the thread's WorkerInfo, then ``worker_init_fn``.
+    the thread's WorkerInfo, then ``worker_init_fn``; ``asked`` notes whether the dataset asks
+    for the info.
 
     ``WorkerInfo.dataset`` is ``dataset``, or ``copies(worker_id)`` where each worker has its own
     (an IterableDataset's, see :class:`~torch_spdl.sampling.WorkerStreams`). ``infos``: each
@@ -272,6 +331,7 @@ def worker_starter(
 
     def start(worker_id: int) -> None:
         single_threaded_kernels()
+        _thread_state.asked = asked
         if infos is not None:
             _thread_state.info = info = infos[worker_id]
             own = info.dataset
