@@ -194,6 +194,22 @@ def test_a_large_batch_crosses_in_shared_memory_of_the_replys_own(reply_segments
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
+@pytest.mark.parametrize("elements", [6, 3 * messages.INLINE_BYTES], ids=["by-value", "copied"])
+def test_views_of_a_tensor_sent_whole_arrive_as_views_of_it(reply_segments: str, elements: int):
+    """A batch and views of it (labels sliced from the input ids, a transpose) arrive sharing
+    its memory, as torch's workers send them; a view sent before its base arrives equal."""
+    batch = torch.arange(elements, dtype=torch.float32).view(2, -1)
+    sent = (batch, batch[1, 1:3], batch.t())
+    back, labels, transposed = pickle.loads(messages.dumps(sent, reply=True))
+    assert all(torch.equal(a, b) for a, b in zip((back, labels, transposed), sent, strict=True))
+    assert transposed.stride() == batch.t().stride()
+    labels[0] = -1.0
+    assert back[1, 1] == transposed[1, 1] == -1.0
+    view_first, whole = pickle.loads(messages.dumps((batch[1, 1:3], batch), reply=True))
+    assert torch.equal(view_first, batch[1, 1:3]) and torch.equal(whole, batch)
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
 def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch(reply_segments: str):
     """After pinning (a copy here, as ``pin_memory`` makes one), the memory a batch arrived in is
     given back: to the worker that sent it, or freed; a tensor the pinned batch still holds as

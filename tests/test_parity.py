@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import queue
 import threading
 import warnings
 from typing import Any
@@ -908,6 +909,47 @@ def test_worker_info_in_iterable_workers():
     assert sorted(seen) == [(w, 3, THREAD, True) for w in range(3)]
 
 
+class ProducerThread(tud.IterableDataset):
+    """Shards itself in a thread its ``__iter__`` starts, which reads ``get_worker_info()``: in a
+    torch worker process every thread sees the worker's info."""
+
+    def __iter__(self):
+        items: queue.Queue = queue.Queue()
+
+        def produce() -> None:
+            info = tud.get_worker_info()
+            first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+            for item in range(first, N, step):
+                items.put(item)
+            items.put(None)
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        while (item := items.get()) is not None:
+            yield item
+        producer.join()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+@pytest.mark.parametrize("worker_method", ["thread", "auto"])
+def test_a_thread_a_worker_starts_has_its_worker_info(num_workers, worker_method):
+    """Thread workers: each item once, as torch's worker processes give it (a producer thread
+    that saw no worker would read every item in every worker)."""
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    torchs = sorted(tud.DataLoader(ProducerThread(), **kwargs))
+    assert torchs == list(range(N))
+    loader = torch_spdl.DataLoader(ProducerThread(), worker_method=worker_method, **kwargs)
+    assert sorted(loader) == torchs
+
+
+def test_a_thread_started_outside_workers_has_no_worker_info():
+    seen = []
+    outside = threading.Thread(target=lambda: seen.append(tud.get_worker_info()))
+    outside.start()
+    outside.join()
+    assert seen == [None]
+
+
 @pytest.mark.parametrize("dataset", [InfoDataset, InfoStaged, ShardedIterable])
 def test_worker_init_fn_once_per_worker_thread(dataset):
     calls = []
@@ -1193,6 +1235,56 @@ def test_owned_copies_views_only_and_keeps_the_structure():
     assert type(got["pair"]) is Pair and got["pair"].b == "text" and got["n"] == 3
     for copied, view in ((got["row"], base[2:4]), (got["pair"].a, base[:5])):
         assert torch.equal(copied, view) and copied.data_ptr() != view.data_ptr()
+    listed = owned(TagList([base[2:4]], tag="kept"))  # copied: a list subclass, attributes too
+    assert type(listed) is TagList and listed.tag == "kept"
+    assert torch.equal(listed[0], base[2:4]) and listed[0].data_ptr() != base.data_ptr()
+    untouched = {"fresh": [fresh], "n": 3}
+    assert owned(untouched) is untouched  # nothing copied: nothing rebuilt
+
+
+class TagList(list):
+    """A collate_fn's own batch type, with an attribute a copy of its items would lose."""
+
+    def __init__(self, items: Any = (), tag: str = "default") -> None:
+        super().__init__(items)
+        self.tag = tag
+
+
+def tagged(samples: list[int]) -> TagList:
+    return TagList([torch.tensor(samples)], tag="collated")
+
+
+def with_a_view(samples: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = torch.tensor(samples, dtype=torch.float)
+    return batch, batch[1:3]
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "worker_method"), [(0, "auto"), (2, "thread"), (2, "process")]
+)
+def test_a_collate_fns_batch_keeps_its_type_and_its_views_as_with_torch(num_workers, worker_method):
+    def first(loader_type: Any, **extra: Any) -> Any:
+        loader = loader_type(range(10), batch_size=4, num_workers=num_workers, **extra)
+        return next(iter(loader))
+
+    extra = dict(worker_method=worker_method)
+    for loader_type, kwargs in ((tud.DataLoader, {}), (torch_spdl.DataLoader, extra)):
+        batch = first(loader_type, collate_fn=tagged, **kwargs)
+        assert (type(batch), batch.tag) == (TagList, "collated")
+        whole, view = first(loader_type, collate_fn=with_a_view, **kwargs)
+        view[0] = 100.0  # the view is of the batch's own tensor: it changes that
+        assert whole.tolist() == [0.0, 100.0, 2.0, 3.0], loader_type
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_set_on_the_batch_sampler_is_read_as_torch_reads_it(num_workers):
+    def after_setting(loader_type: Any) -> tuple[list[list[int]], int]:
+        loader = loader_type(range(10), batch_size=2, num_workers=num_workers)
+        loader.batch_sampler.sampler = [9, 8, 7]
+        return [batch.tolist() for batch in loader], len(loader)
+
+    assert after_setting(torch_spdl.DataLoader) == after_setting(tud.DataLoader)
+    assert after_setting(tud.DataLoader) == ([[9, 8], [7]], 2)
 
 
 # -- copies of a loader ---------------------------------------------------------------------------

@@ -36,24 +36,47 @@ def finisher(collate_fn: Collate, pin: Collate | None, own: bool = False) -> Col
 
 
 def owned(batch: Any) -> Any:
-    """``batch`` with each CPU tensor that is a view into a larger one copied.
+    """``batch`` with each CPU tensor that is a view into a larger one copied, unless the larger
+    one is the batch's own.
 
     A batch from torch's worker process is a copy, so a training loop may change it in place
     (mask tokens, normalise) without touching the dataset. A worker thread's batch is what
     ``collate_fn`` returned: with ``batch_size=None`` (``default_convert``) or a ``collate_fn``
     that passes samples through, a row of a ``TensorDataset`` is a view of the dataset's tensor,
     and an in-place change would reach the next epoch. A tensor that fills its own memory is
-    left alone: what ``collate_fn`` made is not copied twice.
+    left alone: what ``collate_fn`` made is not copied twice; so are views of it in the same
+    batch, which share its memory as they do in a batch from torch's workers.
     """
-    return map_tensors(batch, _owned)
+    whole: set[int] = set()  # the memory of tensors that fill it: the batch's own
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        if _fills_its_memory(tensor):
+            whole.add(_memory(tensor))
+        return tensor
+
+    map_tensors(batch, note)
+    return map_tensors(batch, lambda tensor: _owned(tensor, whole))
 
 
-def _owned(tensor: torch.Tensor) -> torch.Tensor:
+def _owned(tensor: torch.Tensor, whole: set[int]) -> torch.Tensor:
     if tensor.device.type != "cpu" or tensor.layout != torch.strided:
         return tensor
-    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+    if _memory(tensor) in whole:
         return tensor
     return tensor.clone()
+
+
+def _fills_its_memory(tensor: torch.Tensor) -> bool:
+    return bool(
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+    )
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 # -- batch-level tasks (no hooks) ----------------------------------------------------------------

@@ -362,9 +362,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _follow_shown_batches(self) -> None:
         """``batch_size`` or ``drop_last`` set on ``loader.batch_sampler`` after construction
-        reach the batch sampler the loader reads, as they reach torch's, which reads that one."""
+        reach the batch sampler the loader reads, as they reach torch's, which reads that one.
+        A ``sampler`` set there makes it the user's batch sampler: read as it is, not split by
+        rank, as one passed in is not."""
         shown, own = self.batch_sampler, self._own_samplers[1]
         if not (self._builds_own and isinstance(shown, BatchSampler)):
+            return
+        if shown.sampler is not self.sampler:
+            self._own_samplers = (shown.sampler, shown)
+            self._builds_own = self._shards_itself = False
             return
         if isinstance(own, BatchSampler) and own is not shown:
             own.batch_size, own.drop_last = shown.batch_size, shown.drop_last

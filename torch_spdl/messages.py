@@ -122,25 +122,46 @@ class _Pickler(ForkingPickler):
     their own memory layout: a channels-last image stays channels-last; and, in a worker's
     reply (``own_segments``), large ones copied into the segments the worker uses again
     (:mod:`torch_spdl.segments`), or, where the platform cannot make them, into a segment each
-    (:func:`_own_segment`)."""
+    (:func:`_own_segment`). A tensor sent whole that way carries the later tensors of the
+    message that view its memory (a batch and labels sliced from it): they arrive as views of
+    it, as they do from torch's workers, not as copies of their own."""
 
     def __init__(self, file: io.BytesIO, own_segments: bool) -> None:
         super().__init__(file)
         self.own_segments = own_segments
+        self.whole: dict[int, torch.Tensor] = {}  # memory → the tensor sent with all of it
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
+        base = self.whole.get(obj.untyped_storage().data_ptr()) if _plain(obj) else None
+        if base is not None and base.dtype == obj.dtype:
+            return _view_of, (base, tuple(obj.shape), obj.stride(), obj.storage_offset())
         order = _inline(obj)
         if order is not None:
+            self._sent_whole(obj)
             data = layout.in_memory_order(obj, order).reshape(-1).view(torch.uint8).numpy()
             return _rebuild_inline, (data, obj.dtype, tuple(obj.shape), order)
         order = _copied_whole(obj) if self.own_segments else None
         if order is None:
             return NotImplemented
+        self._sent_whole(obj)
         if segments.available():
             return segments.segments().send(obj, order)
         return _received, (_own_segment(obj),)
+
+    def _sent_whole(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is sent by value or copied: where that is all of its memory, later views
+        of that memory are sent as views of it."""
+        if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+            self.whole.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+
+
+def _view_of(
+    base: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+) -> torch.Tensor:
+    """A view of ``base`` (received whole, with the sender's strides) as the sender had it."""
+    return base.as_strided(shape, stride, offset)
 
 
 LARGE_MESSAGE = INLINE_BYTES

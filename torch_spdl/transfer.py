@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -43,31 +43,51 @@ def map_tensors(data: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) 
     included) unchanged.
 
     Walks what ``default_collate`` produces and more: mappings, lists, tuples, namedtuples and
-    dataclasses; other leaves are returned as they are.
+    dataclasses; other leaves are returned as they are. A container none of whose items ``fn``
+    changed is returned itself, so that what only a copy would lose (a list subclass's
+    attributes) stays.
     """
     if isinstance(data, leaf):
         return fn(data)
     if isinstance(data, (str, bytes)):
         return data
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        mapped = {name: map_tensors(value, fn, leaf) for name, value in fields.items()}
+        if _same(mapped.values(), fields.values()):
+            return data
         clone = copy.copy(data)
-        for field in dataclasses.fields(data):
-            object.__setattr__(clone, field.name, map_tensors(getattr(data, field.name), fn, leaf))
+        for name, value in mapped.items():
+            object.__setattr__(clone, name, value)
         return clone
     if isinstance(data, Mapping):
         mapped = {key: map_tensors(value, fn, leaf) for key, value in data.items()}
+        if _same(mapped.values(), data.values()):
+            return data
         try:
             copied: Any = copy.copy(data)  # any Mapping: update() may be missing
             copied.update(mapped)
             return copied
         except (TypeError, AttributeError):  # immutable mappings, or no update()
             return cast(Callable[[dict[Any, Any]], Any], type(data))(mapped)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(map_tensors(item, fn, leaf) for item in data))
     if isinstance(data, (list, tuple)):
-        mapped_items = [map_tensors(item, fn, leaf) for item in data]
-        return mapped_items if type(data) is list else type(data)(mapped_items)
+        items = [map_tensors(item, fn, leaf) for item in data]
+        if _same(items, data):
+            return data
+        if type(data) is list:
+            return items
+        if isinstance(data, list):  # a subclass: its attributes too
+            listed = copy.copy(data)
+            listed[:] = items
+            return listed
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*items)
+        return type(data)(items)
     return data
+
+
+def _same(mapped: Iterable[Any], items: Iterable[Any]) -> bool:
+    return all(new is old for new, old in zip(mapped, items, strict=True))
 
 
 def resolve_device(device: Any) -> torch.device | None:
