@@ -50,6 +50,7 @@ from torch_spdl import (
     start_method,
     workers,
 )
+from torch_spdl.batching import FetchTask
 from torch_spdl.copies import CopyTask
 from torch_spdl.hooks import WholeSamples, resolve_hooks
 
@@ -816,6 +817,8 @@ def test_worker_init_error_is_raised_with_its_type():
         with pytest.raises(OSError, match="no GPU for this worker") as info:
             list(ours(Squares(4), num_workers=2, worker_init_fn=fail_in_worker_one))
         assert "worker process 1" in str(info.value)
+        first_line = str(info.value).splitlines()[0]
+        assert first_line.endswith("in the start of stage 'fetch' (worker process 1)."), first_line
 
 
 class CountsPickles(Squares):
@@ -1722,5 +1725,61 @@ def test_a_copys_batch_sent_before_its_threads_start_waits_for_the_process_to_be
         assert states == [{"offset": 100}]
         pool.start(1)  # the bound thread's wait finds the process set up and nothing left over
         assert pool.fetch_on(CopyTask([4], number=5, copy=1), states.append).tolist() == [104]
+    finally:
+        pool.close()
+
+
+# -- a reply lost with its process -----------------------------------------------------------
+class LargeSamplesKilledAt(Dataset):
+    """2 MiB samples (a batch crosses in a segment whose descriptor the main process fetches from
+    the worker as it reads the reply); the worker reading ``killed_at`` is killed."""
+
+    def __init__(self, killed_at: int | None = None) -> None:
+        self.killed_at = killed_at
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.killed_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((512 * 1024,), index, dtype=torch.float32)
+
+
+def firsts(batch: torch.Tensor) -> list[int]:
+    return batch[:, 0].long().tolist()
+
+
+def test_a_reply_lost_with_its_process_runs_again_and_only_the_task_it_died_on_fails():
+    """The process replies to [10, 11], then dies on [12, 13] before the main process reads
+    that reply, whose batch went with it: [10, 11] runs again on the replacement, [12, 13]
+    fails with the death, and [14, 15], queued, arrives."""
+    job = jobs.FetchJob(LargeSamplesKilledAt(12), True, default_collate)
+    pool = processes.ProcessPool(job, 1, base_seed=0)
+    try:
+        pool.start(0)
+        results = [pool.send_fetch(FetchTask([i, i + 1], n)) for n, i in enumerate((10, 12, 14))]
+        pool._processes.workers[0].process.join(10)  # dead before its first reply is read
+        assert firsts(results[0](None)) == [10, 11]
+        with pytest.raises(processes.WorkerDied, match=r"killed by signal SIGKILL"):
+            results[1](None)
+        assert firsts(results[2](None)) == [14, 15]
+    finally:
+        pool.close()
+
+
+def test_a_reply_lost_with_a_process_that_died_between_tasks_is_warned_of_and_runs_again():
+    job = jobs.FetchJob(LargeSamplesKilledAt(), True, default_collate)
+    pool = processes.ProcessPool(job, 1, base_seed=0)
+    try:
+        pool.start(0)
+        result = pool.send_fetch(FetchTask([3, 4], 0))
+        worker = pool._processes.workers[0]
+        multiprocessing.connection.wait([worker.conn], timeout=30)  # replied, not read
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.join(10)
+        with pytest.warns(RuntimeWarning, match="last reply, not read yet, was lost with it"):
+            assert firsts(result(None)) == [3, 4]
+        assert firsts(pool.fetch(FetchTask([5, 6], 1))) == [5, 6]  # on the replacement
     finally:
         pool.close()

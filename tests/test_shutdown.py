@@ -10,8 +10,11 @@ from __future__ import annotations
 import functools
 import gc
 import multiprocessing
+import os
+import pathlib
 import signal
 import threading
+import time
 import types
 
 import pytest
@@ -182,6 +185,63 @@ def test_ctrl_c_while_waiting_on_a_bare_pipeline():
     with pytest.raises(KeyboardInterrupt), Pipeline(range(100), [Stage("s", fn, 2)]) as pipe:
         for _ in pipe:
             pass
+
+
+class InterruptsThenHangs(Dataset):
+    """Index 9 sends SIGINT to the main process, then hangs (a stuck read) until ``release``
+    exists; where it hangs is written to ``where`` first (a pid, or a thread's name)."""
+
+    def __init__(self, where: pathlib.Path, release: pathlib.Path) -> None:
+        self.where, self.release, self.main = where, release, os.getpid()
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        if index == 9:
+            self.where.write_text(f"{os.getpid()} {threading.current_thread().name}")
+            os.kill(self.main, signal.SIGINT)
+            while not self.release.exists():
+                time.sleep(0.01)
+        return index
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not), as Linux's ``/proc`` says."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+@pytest.mark.usefixtures("ctrl_c_raises")
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_ctrl_c_is_raised_without_waiting_for_a_stuck_worker(tmp_path, worker_method, recwarn):
+    """torch raises a Ctrl-C at once and stops its workers when the iterator goes; so does this
+    loader: the worker stuck in the dataset is still there as the KeyboardInterrupt arrives
+    (nothing waited for it, or gave up on it with a warning), and gone once the iterator is."""
+    where, release = tmp_path / "where", tmp_path / "release"
+    loader = DataLoader(
+        InterruptsThenHangs(where, release),
+        batch_size=1,
+        num_workers=2,
+        worker_method=worker_method,
+    )
+    iterator = iter(loader)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in iterator:
+            pass
+    pid, thread = where.read_text().split(" ")
+    if worker_method == "process":
+        assert running(int(pid))
+    else:
+        assert thread in {t.name for t in threading.enumerate()}
+    assert not [w for w in recwarn if w.category.__name__ == "ThreadLeftWarning"]
+    release.touch()
+    del iterator
+    gc.collect()  # no_child_left: no thread or process is left
 
 
 class Fails(StagedDataset):

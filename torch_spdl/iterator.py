@@ -294,7 +294,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             builder = self._staged(PipelineBuilder().add_source(source), loader, hooks, start, pool)
         pipeline = self._pipeline_of(builder, pool)
         if self._switch is not None:
-            pipeline.on_stop(self._switch.close)
+            pipeline.on_stop(self._switch.release, then=self._switch.close)
         if self._turns is not None:
             pipeline.on_stop(self._turns.stop)
         return pipeline

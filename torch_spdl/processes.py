@@ -47,6 +47,7 @@ import select
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -78,6 +79,7 @@ from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack,
 from .pickled import contents, copies_too_large
 from .pipeline import EngineError, Failure, Pipeline
 from .pipeline.ahead import NOT_YET, Result
+from .pipeline.items import RAISED_IN
 from .priority import below_this_process, run_at
 from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
 from .stream_state import WithState
@@ -217,12 +219,28 @@ def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) ->
 
 
 # -- the main process's side ----------------------------------------------------------------------
+def _warn_lost(lost: _ReplyLost) -> None:
+    """A process died between tasks, after a reply the main process had not read: the task runs
+    again, and nothing fails, so the death is told here."""
+    warnings.warn(
+        f"{lost}; its last reply, not read yet, was lost with it, and its task runs again",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 class WorkerDied(EngineError):
     """A worker process ended while the main process waited on it: killed (the OOM killer's
     SIGKILL), or crashed in native code (SIGSEGV). A ``RuntimeError``, as torch's loader raises
     for a worker that exited unexpectedly."""
 
     worker_kind = "process"
+
+
+class _ReplyLost(WorkerDied):
+    """A worker process replied, then died before the main process had read its reply: the
+    reply's large tensors are fetched from their sender (:mod:`torch_spdl.segments`), and went
+    with it. The request it answered did not fail: it runs again on the replacement."""
 
 
 @dataclass(eq=False)
@@ -335,6 +353,7 @@ class _Processes:
         util.register_after_fork(self.wake, connection.Connection.close)
         util.register_after_fork(self._waker, connection.Connection.close)
         self.closing = False
+        self._joined = False
         self.broken: BaseException | None = None  # why a dead worker could not be replaced
         self._lock = threading.Lock()
         self._owner = os.getpid()
@@ -348,9 +367,8 @@ class _Processes:
             self.workers[self.workers.index(old)] = new
             return True
 
-    def close(self) -> None:
-        """Wake every waiting thread, close the pipes (each worker then exits), join the processes
-        and terminate those still running after :data:`SHUTDOWN_GRACE` seconds."""
+    def release(self) -> None:
+        """Wake every waiting thread and close the pipes (each worker then exits), at once."""
         if os.getpid() != self._owner:
             return  # a forked child's copy: not its processes to stop
         with self._lock:
@@ -360,9 +378,25 @@ class _Processes:
         self._waker.send_bytes(b"")  # readable from now on: no thread waits on a worker again
         for worker in self.workers:
             worker.close()
+
+    def close(self) -> None:
+        """:meth:`release`, then join the processes and terminate those still running after
+        :data:`SHUTDOWN_GRACE` seconds."""
+        if os.getpid() != self._owner:
+            return
+        self.release()
+        with self._lock:
+            if self._joined:
+                return
+            self._joined = True
         deadline = time.monotonic() + SHUTDOWN_GRACE
-        for worker in self.workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for worker in self.workers:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
+        except BaseException:  # a Ctrl-C in the wait: no grace, and no process left behind
+            for worker in self.workers:
+                worker.process.kill()
+            raise
         for worker in self.workers:
             _terminate(worker.process)
         self.wake.close()
@@ -455,6 +489,11 @@ class ProcessPool:
         """Stop and join every process; safe to call more than once and from any thread."""
         self._finalizer()
 
+    def release(self) -> None:
+        """Tell every process to stop, and wake the threads that wait on them, without waiting
+        for the processes (:meth:`close` does)."""
+        self._processes.release()
+
     # -- one exchange with this thread's process --------------------------------------------------
     def start(self, worker_id: int) -> None:
         """``on_start``: bind this thread to its process and wait until it is set up; an error in
@@ -480,7 +519,11 @@ class ProcessPool:
             status, payload = self._receive(worker)
             worker.ready = status != ERROR
         if status == ERROR:
-            payload.reraise()
+            try:
+                payload.reraise()
+            except BaseException as error:
+                setattr(error, RAISED_IN, "process")  # named so: not "worker thread"
+                raise
 
     def stack(self, thread: int, wait: float = 1.0, quiet: float = 0.05) -> str | None:
         """The Python stack of the worker process that thread ``thread`` drives (None if it
@@ -539,7 +582,10 @@ class ProcessPool:
 
     def _exchange(self, request: tuple[str, Any], worker: _Worker | None = None) -> Reply:
         """One request to ``worker`` (this thread's process if None) and its reply; never while
-        this thread has requests sent ahead to it (their replies come first)."""
+        this thread has requests sent ahead to it (their replies come first). A reply lost with
+        its process (:class:`_ReplyLost`) is asked of the replacement; a copy's process
+        (``worker`` given: :meth:`fetch_on`) is not replaced."""
+        replaceable = worker is None
         worker = worker or self._current()
         with worker.lock:
             self._check_open()
@@ -550,7 +596,14 @@ class ProcessPool:
                 worker.conn.send_bytes(dumps(request))
             except (BrokenPipeError, ConnectionResetError):
                 raise worker.died() from None
-            return self._receive(worker)
+            try:
+                return self._receive(worker)
+            except _ReplyLost as lost:
+                if not replaceable:
+                    raise
+                error = lost
+        _warn_lost(error)
+        return self._exchange(request)
 
     # -- requests sent ahead: the process has the next one queued while this thread works -------
     def _post(self, request: tuple[str, Any]) -> None:
@@ -571,6 +624,8 @@ class ProcessPool:
         readable first. If the process died on that request, those sent after it never ran:
         they go to the process that replaces it, in their order."""
         worker, sent = self._local.worker, self._local.sent
+        if isinstance(sent[0][1], WorkerDied):  # the process died running it
+            raise sent.popleft()[1]
         if sent[0][1] is not None:
             raise RuntimeError(
                 f"DataLoader worker process {worker.id} died with this task queued, and no "
@@ -579,6 +634,8 @@ class ProcessPool:
         try:
             with worker.lock:
                 reply = self._receive(worker, bell)
+        except _ReplyLost as lost:
+            return self._again(lost, bell)
         except BaseException:
             sent.popleft()
             if worker.dead:
@@ -587,6 +644,21 @@ class ProcessPool:
         if reply is not NOT_YET:
             sent.popleft()
         return reply
+
+    def _again(self, lost: _ReplyLost, bell: int | None) -> Any:
+        """The oldest request's reply was lost with its process (:class:`_ReplyLost`): it runs
+        again on the replacement, with those sent after it, except the next, which the process
+        was running when it died: that one fails with the death, as where no reply was lost."""
+        sent = self._local.sent
+        again = sent.popleft()[0]
+        died_on = sent.popleft()[0] if sent else None
+        sent.appendleft((again, None))
+        self._resend()
+        if died_on is None:  # it died between requests: nothing failed
+            _warn_lost(lost)
+        else:
+            sent.insert(1, (died_on, WorkerDied(str(lost))))
+        return self._take(bell)
 
     def _resend(self) -> None:
         """Send this thread's unanswered requests again, to the process that replaces its dead
@@ -625,12 +697,14 @@ class ProcessPool:
         ready = connection.wait(waits if bell is None else [*waits, bell])
         if worker.conn in ready:
             try:
-                return worker.conn.recv()
+                message = worker.conn.recv_bytes()
             except (EOFError, ConnectionResetError):  # its end closed, or reset as it was killed
                 raise worker.died() from None
+            try:
+                return pickle.loads(message)
             except Exception as error:  # shared tensors are fetched from their sender: gone?
                 if exit_code(worker.process, 0) is not None:
-                    raise worker.died() from error
+                    raise _ReplyLost(str(worker.died())) from error
                 raise
         if wake in ready:
             self._check_open()
@@ -922,5 +996,5 @@ def _reruns_main() -> str | None:
 def attach(pipeline: Pipeline[Any], pool: ProcessPool | None) -> Pipeline[Any]:
     """Stop ``pool`` whenever ``pipeline`` stops, before its threads are joined."""
     if pool is not None:
-        pipeline.on_stop(pool.close)
+        pipeline.on_stop(pool.release, then=pool.close)
     return pipeline

@@ -279,9 +279,20 @@ class Switch:
         """Why worker processes could not start, if they could not."""
         return self._start_error
 
+    def release(self) -> None:
+        """Tell the worker processes to stop, and the trial, without waiting for either (as the
+        pipeline stops: :meth:`close` waits, once its threads are joined)."""
+        self._closed.set()  # a starter that waits for it wakes at once
+        with self._lock:
+            trial, pool = self.trial, self._pool
+        if trial is not None:
+            trial.stop()
+        if pool is not None:
+            pool.release()
+
     def close(self) -> None:
         """Stop the worker processes, those still coming up included, then wait for the thread
-        that starts them: on every pipeline stop."""
+        that starts them."""
         self._closed.set()  # before the lock, so a starter that waits for it wakes at once
         with self._lock:
             starter, trial = self._starter, self.trial

@@ -253,7 +253,7 @@ class PipelineBuilder:
                 pool.close()
             raise
         for pool in pools:
-            pipeline.on_stop(pool.close)
+            pipeline.on_stop(pool.release, then=pool.close)
         return pipeline
 
     def _stages(self, pools: list[Any], worker_nice: int) -> tuple[list[Step], bool]:

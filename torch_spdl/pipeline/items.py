@@ -21,12 +21,18 @@ class EngineError(RuntimeError):
     worker_kind = "thread"  # what ran the task: messages name the worker so ("worker process 1")
 
 
+RAISED_IN = "_torch_spdl_raised_in"
+"""Set on an exception a worker process sent (to ``"process"``): the kind of worker it names."""
+
+
 def handled_worker_kind() -> str:
     """The kind of worker the exception being handled ran on, as messages name it: an
-    :class:`EngineError`'s own (the process that died under a thread driving it), else a
-    thread's."""
+    :class:`EngineError`'s own (the process that died under a thread driving it), or the one
+    noted on it (:data:`RAISED_IN`), else a thread's."""
     error = sys.exc_info()[1]
-    return error.worker_kind if isinstance(error, EngineError) else "thread"
+    if isinstance(error, EngineError):
+        return error.worker_kind
+    return getattr(error, RAISED_IN, "thread")
 
 
 @dataclass(frozen=True, slots=True)

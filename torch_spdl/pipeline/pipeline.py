@@ -99,6 +99,7 @@ class _Runtime:
         self._starting = 0  # threads that have not finished their on_start yet
         self._start_lock = threading.Lock()
         self._all_started = threading.Event()
+        self.closers: list[Callable[[], None]] = []  # run once the threads are joined
         upstream, producers, release = self._build_source(source, stages)
         made_by = "source"  # what made the items upstream: the source or a regroup
         for position, stage in enumerate(stages):
@@ -287,20 +288,27 @@ class _Runtime:
                 return self.failure
             raise
 
-    def close(self) -> None:
-        """Stop every thread and join it. A thread stuck in user code is given up on after
-        ``JOIN_TIMEOUT`` in all, with a :class:`~.stacks.ThreadLeftWarning` that says where it
-        is; it is a daemon thread, so it cannot keep the interpreter alive."""
+    def halt(self) -> None:
+        """Tell every thread to stop, without waiting for them (:meth:`close` joins them)."""
         self.stop.set()
         for reader in [self.reader] + [boundary.reader for boundary in self.boundaries]:
             if reader is not None:
                 reader.close()
+
+    def close(self) -> None:
+        """Stop every thread and join it. A thread stuck in user code is given up on after
+        ``JOIN_TIMEOUT`` in all, with a :class:`~.stacks.ThreadLeftWarning` that says where it
+        is; it is a daemon thread, so it cannot keep the interpreter alive."""
+        self.halt()
         current = threading.current_thread()
         deadline = time.monotonic() + JOIN_TIMEOUT
         others = [thread for thread in self.threads if thread is not current]
         for thread in others:
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        closers, self.closers = self.closers, []
+        for closer in closers:
+            closer()
         _live.discard(self)
         left = [thread for thread in others if thread.is_alive()]
         if left:
@@ -387,7 +395,10 @@ class Pipeline(Generic[T]):
         except TimeoutError:
             raise
         except BaseException:  # KeyboardInterrupt while waiting: nobody will consume any more
-            self.close()
+            # its threads are told to stop, and joined when the pipeline is closed or collected:
+            # a wait for a thread stuck in user code would hold the interrupt back for seconds
+            self._running = False
+            self._runtime.halt()
             raise
         if isinstance(value, Failure):
             if value is self._runtime.failure:
@@ -462,14 +473,21 @@ class Pipeline(Generic[T]):
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        """Whether it is stopped for good: closed, or told to stop (its threads may still be
+        finishing)."""
+        return not self._finalizer.alive or self._runtime.stop.is_set()
 
-    def on_stop(self, callback: Callable[[], None]) -> None:
+    def on_stop(self, callback: Callable[[], None], then: Callable[[], None] | None = None) -> None:
         """Run ``callback`` once when the pipeline stops, however it does (the end of a
         non-persistent epoch, :meth:`close`, a fatal error, garbage collection, exit), before its
         threads are joined: so it can release a thread blocked outside the engine (a worker
-        process it waits on). At once if it has stopped already. ``callback`` must not refer to
-        the pipeline, or the pipeline could never be collected."""
+        process it waits on); it must not wait itself (a ``KeyboardInterrupt`` stops the pipeline
+        from the consumer's thread, which must raise it at once). ``then`` runs once the threads
+        are joined (:meth:`close`): what waits (for worker processes to exit). ``callback`` runs
+        at once if the pipeline has stopped already. Neither may refer to the pipeline, or the
+        pipeline could never be collected."""
+        if then is not None:
+            self._runtime.closers.append(then)
         self._runtime.stop.on_set(callback)
 
     def close(self) -> None:

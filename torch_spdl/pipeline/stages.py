@@ -132,7 +132,9 @@ def run_on_start(stage: Stage | Any, worker: int, runtime: Runtime) -> bool:
         if stage.on_start is not None:
             stage.on_start(worker)
     except BaseException:  # SystemExit too: a thread that died silently would hang the loader
-        runtime.fatal(f"in the start of stage {stage.name!r} (worker thread {worker})")
+        runtime.fatal(
+            f"in the start of stage {stage.name!r} (worker {handled_worker_kind()} {worker})"
+        )
         return False
     finally:
         runtime.started()
