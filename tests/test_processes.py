@@ -1783,3 +1783,50 @@ def test_a_reply_lost_with_a_process_that_died_between_tasks_is_warned_of_and_ru
         assert firsts(pool.fetch(FetchTask([5, 6], 1))) == [5, 6]  # on the replacement
     finally:
         pool.close()
+
+
+# -- what cannot be pickled back ------------------------------------------------------------------
+class UnpicklableAt5(Dataset):
+    """Index 5 raises an exception of a class defined in a function, or returns a lambda:
+    neither can be pickled back to the main process."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> Any:
+        if index == 5 and self.what == "exception":
+
+            class Local(Exception):
+                pass
+
+            raise Local("a class of the function's own")
+        if index == 5:
+            return lambda: index
+        return index
+
+
+def as_given(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+@pytest.mark.parametrize(
+    "what, error, names",
+    [
+        ("exception", RuntimeError, ["dataset index 5", "Local: a class of the function's own"]),
+        ("result", AttributeError, ["dataset indices [4, 5]", "Can't pickle local object"]),
+    ],
+)
+def test_what_cannot_be_pickled_back_fails_its_batch_naming_it(what, error, names):
+    loader = ours(UnpicklableAt5(what), batch_size=2, num_workers=2, collate_fn=as_given)
+    iterator, out, errors = iter(loader), [], []
+    for _ in range(len(loader)):
+        try:
+            out.append(next(iterator))
+        except error as failed:
+            errors.append(failed)
+    assert next(iterator, None) is None  # the pass ends: its processes stop
+    assert out == [[0, 1], [2, 3], [6, 7]] and len(errors) == 1
+    assert all(name in str(errors[0]) for name in names), str(errors[0])

@@ -70,6 +70,10 @@ class FetchJob:
         """Built once, in the worker (a spawned worker unpickles the job without it)."""
         return batch_fetcher(self.dataset, self.auto_collation, self.collate_fn)
 
+    def describe(self, index: Any) -> str | None:
+        """What a request is about, as an error names it."""
+        return FetchTask(index, current=index).describe()
+
     def run(self, index: Any, worker: int) -> Reply:
         task = FetchTask(index)
         status, payload = attempt(lambda: self._fetch(task), self.stage, worker, task.describe)
@@ -130,9 +134,13 @@ class PreprocessJob:
     def reset(self, worker: int, request: Any = None) -> Reply:
         return READY, None
 
+    def describe(self, request: tuple[Any, Any]) -> str | None:
+        """What a request is about, as an error names it."""
+        return SampleTask(request[0], 0, 1).describe()
+
     def run(self, request: tuple[Any, Any], worker: int) -> Reply:
-        index, raw = request
-        describe = SampleTask(index, 0, 1).describe
+        raw = request[1]
+        describe = functools.partial(self.describe, request)
         return attempt(lambda: self.preprocess(raw), self.stage, worker, describe)
 
 
@@ -173,6 +181,10 @@ class IterableJob:
         self._batches = payload
         return READY, self._records.pop() if self._records else None
 
+    def describe(self, request: None) -> str | None:
+        """What a request is about, as an error names it: a stream's next batch."""
+        return None
+
     def run(self, request: None, worker: int) -> Reply:
         batches = self._batches
         assert batches is not None, "reset() starts a worker's batches before it runs"
@@ -198,8 +210,13 @@ class OpJob:
     def reset(self, worker: int, request: Any = None) -> Reply:
         return READY, None
 
+    def describe(self, value: Any) -> str | None:
+        """What a request is about, as an error names it."""
+        return describe_item(value)
+
     def run(self, value: Any, worker: int) -> Reply:
-        return attempt(lambda: self.op(value), self.stage, worker, lambda: describe_item(value))
+        describe = functools.partial(self.describe, value)
+        return attempt(lambda: self.op(value), self.stage, worker, describe)
 
 
 Job = FetchJob | WholeJob | PreprocessJob | IterableJob | OpJob

@@ -38,6 +38,7 @@ per-sample code does not. For that case the loader's CPU stage (``fetch`` withou
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import functools
 import os
@@ -202,20 +203,46 @@ def _serve(job: Job, worker: int, conn: connection.Connection) -> None:
             _send(conn, (ERROR, ExceptionWrapper(where=where)), job.stage, worker)
             continue
         reply = job.reset(worker, payload) if op == RESET else job.run(payload, worker)
+        about = None if op == RESET else functools.partial(job.describe, payload)
         del payload
-        _send(conn, reply, job.stage, worker)
-        del reply  # do not keep the last batch's shared memory alive while idle
+        _send(conn, reply, job.stage, worker, about)
+        del reply, about  # do not keep the last batch's shared memory alive while idle
 
 
-def _send(conn: connection.Connection, reply: Reply, stage: str, worker: int) -> None:
+def _send(
+    conn: connection.Connection,
+    reply: Reply,
+    stage: str,
+    worker: int,
+    about: Callable[[], str | None] | None = None,
+) -> None:
     """Send ``reply``; if it cannot be pickled (pickling happens before anything is written), send
-    that error instead, so the item fails rather than the loader hanging."""
+    that error instead, naming what the task was ``about``, so the item fails rather than the
+    loader hanging. An exception that cannot be pickled (a class defined in a function) is sent
+    as a RuntimeError with its own traceback."""
     try:
         message = dumps(reply, reply=True)
     except Exception:
-        where = f"in sending a result of stage {stage!r} from worker process {worker}"
-        message = dumps((ERROR, ExceptionWrapper(where=where)), reply=True)
+        status, payload = reply
+        if status == ERROR:
+            message = dumps((ERROR, _picklable(payload)), reply=True)
+        else:
+            what = None if about is None else about()
+            where = f"in sending the result of stage {stage!r}"
+            where += f" for {what}" if what else ""
+            where += f" from worker process {worker}"
+            message = dumps((ERROR, ExceptionWrapper(where=where)), reply=True)
     conn.send_bytes(message)
+
+
+def _picklable(wrapper: Any) -> Any:
+    """``wrapper`` (an exception carried to the main process) as a RuntimeError that says what
+    the exception was: its type (and whatever it holds) could not be pickled."""
+    carried = copy.copy(wrapper)
+    name = getattr(wrapper.exc_type, "__qualname__", repr(wrapper.exc_type))
+    carried.exc_type = RuntimeError
+    carried.exc_msg = f"{wrapper.exc_msg}({name} cannot be pickled: it is raised as a RuntimeError)"
+    return carried
 
 
 # -- the main process's side ----------------------------------------------------------------------
