@@ -1955,21 +1955,22 @@ class WithLambda(PythonSamples):
 def test_a_stage_that_cannot_move_stays_on_threads_in_the_next_passes(
     quick_switch, no_child_left, decides
 ):
-    """The fallback is kept for the loader: its next passes run on threads from the start,
-    where they used to start the processes ``"auto"`` had chosen, and fail."""
+    """The decision finds that the workers could not be given the dataset, and keeps the
+    stage on threads, for the loader: no process is tried, in this pass or the next."""
     import warnings
 
     decides(PROCESS)
     dataset = WithLambda(600, 1000)
     expected, _ = indices_of(torch.utils.data.DataLoader(dataset.without_work(), batch_size=8))
     loader = torch_spdl.DataLoader(dataset, batch_size=8, num_workers=2)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "the DataLoader's worker processes could not start")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for _ in range(3):
             got, pids = indices_of(loader)
             assert got == expected and pids == {os.getpid()}
+    assert not [w for w in caught if "could not start" in str(w.message)]
     executor = loader.stats().executor
-    assert "worker processes could not start" in executor and "local object" in executor, executor
+    assert "cannot be pickled" in executor and "local object" in executor, executor
 
 
 def staged_pair(n: int, persistent: bool) -> tuple[Any, Any]:

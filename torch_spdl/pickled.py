@@ -12,7 +12,6 @@ NumPy arrays (written once to a file every worker maps: :mod:`torch_spdl.shared_
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import types
@@ -32,16 +31,21 @@ class Contents:
     main_names: list[str]  # classes and functions of __main__, by qualified name
     copied_bytes: int  # what each worker would hold a copy of: the pickle, arrays' data
     shared_bytes: int = 0  # what the workers would share one copy of (:mod:`.shared_buffers`)
+    unpicklable: str | None = None  # why pickling failed, where it did
 
 
 def contents(value: Any) -> Contents:
     """Pickle ``value`` to nowhere and say what it holds; what cannot be pickled ends the
-    search (the workers' start reports it). Arrays' data is counted, not copied."""
+    search, and is said. Arrays' data is counted, not copied."""
     scan = _Scan()
-    with contextlib.suppress(Exception):
+    unpicklable = None
+    try:
         scan.dump(value)
+    except Exception as error:
+        unpicklable = f"{type(error).__name__}: {error}"
     names = list(dict.fromkeys(scan.names))
-    return Contents(names, scan.sink.written + scan.array_bytes, scan.shared_bytes)
+    copied = scan.sink.written + scan.array_bytes
+    return Contents(names, copied, scan.shared_bytes, unpicklable)
 
 
 class _Counter:

@@ -983,8 +983,13 @@ class PoolStarter:
         except TypeError as error:  # the dataset cannot be copied as it was
             return Vetting(str(error), 0)
         found = contents((job, self.worker_init_fn))
+        unpicklable = (
+            found.unpicklable
+            and f"what worker processes would be sent cannot be pickled ({found.unpicklable})"
+        )
         why = (
-            unreachable_main(job, found.main_names)
+            unpicklable
+            or unreachable_main(job, found.main_names)
             or _reruns_main()
             or copies_too_large(found, self.num_workers)
         )
