@@ -1816,7 +1816,7 @@ def as_given(samples: list[Any]) -> list[Any]:
     "what, error, names",
     [
         ("exception", RuntimeError, ["dataset index 5", "Local: a class of the function's own"]),
-        ("result", AttributeError, ["dataset indices [4, 5]", "Can't pickle local object"]),
+        ("result", AttributeError, ["dataset indices [4, 5]", "local object"]),
     ],
 )
 def test_what_cannot_be_pickled_back_fails_its_batch_naming_it(what, error, names):
