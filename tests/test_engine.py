@@ -266,3 +266,14 @@ def test_a_task_the_pipelines_stop_cuts_off_is_not_counted_as_failed():
         pipe.close()
     (report,) = pipe.stats()
     assert (report.done, report.failures) == (1, 0)
+
+
+def test_on_stop_releases_as_the_pipeline_stops_and_then_runs_once_it_is_closed():
+    calls: list[str] = []
+    pipeline = Pipeline(range(3), [Stage("s", lambda x: x, 2)], persistent=True)
+    pipeline.on_stop(lambda: calls.append("release"), then=lambda: calls.append("then"))
+    assert sorted(pipeline) == [0, 1, 2] and calls == []  # persistent: not stopped at the end
+    pipeline.close()
+    assert calls == ["release", "then"]
+    pipeline.on_stop(lambda: calls.append("late"), then=lambda: calls.append("late then"))
+    assert calls == ["release", "then", "late", "late then"]  # closed already: at once

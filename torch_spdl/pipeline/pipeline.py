@@ -486,9 +486,11 @@ class Pipeline(Generic[T]):
         are joined (:meth:`close`): what waits (for worker processes to exit). ``callback`` runs
         at once if the pipeline has stopped already. Neither may refer to the pipeline, or the
         pipeline could never be collected."""
-        if then is not None:
-            self._runtime.closers.append(then)
         self._runtime.stop.on_set(callback)
+        if then is not None and self._finalizer.alive:
+            self._runtime.closers.append(then)
+        elif then is not None:  # closed already
+            then()
 
     def close(self) -> None:
         """Stop and join every thread of this pipeline; safe to call more than once."""
