@@ -24,7 +24,7 @@ from PIL import Image
 from subprocesses import Ran, Run, run_python, run_together
 
 import torch_spdl
-from torch_spdl import gil
+from torch_spdl import auto, gil
 from torch_spdl.bench import (
     data,
     images,
@@ -100,22 +100,24 @@ def test_fast_transform_matches_the_classic_output_shape(size):
 def test_the_gil_wait_of_two_threads_tells_python_from_native_work():
     """Two threads of pure Python take turns on the GIL, each waiting about half its time;
     hashing a large buffer releases it (with the GIL off, neither waits). Other load on the
-    machine is time in the run queue, which is not counted."""
+    machine is time in the run queue, which is not counted: beside two busy programs on 2 cores
+    the Python threads still read a 0.28-0.35 wait, far above the share at which ``"auto"``
+    takes a stage to processes, and the hashing ones none."""
     blob = os.urandom(4 << 20)
 
     def python(i: int) -> int:
         return sum(range(200_000))
 
     def measure() -> tuple[float, float]:
-        by_python = profile.pooled(python, 40, 2).gil_wait
+        by_python = profile.pooled(python, 120, 2).gil_wait
         return by_python, profile.pooled(lambda i: hashlib.sha256(blob).digest(), 40, 2).gil_wait
 
     by_python, by_hashing = unstolen(measure)
-    assert by_hashing < 0.15, by_hashing
+    assert by_hashing < auto.STAGE_WAIT, by_hashing
     if gil.gil_enabled():
-        assert by_python > 0.3, by_python
+        assert by_python > 4 * auto.STAGE_WAIT, by_python
     else:
-        assert by_python < 0.15, by_python
+        assert by_python < auto.STAGE_WAIT, by_python
 
 
 # -- memory: PSS of the process tree -------------------------------------------------------------
