@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import threading
 import warnings
 from typing import Any
 
@@ -652,6 +653,37 @@ def test_worker_init_fn_sets_up_the_copy_that_a_stateful_datasets_worker_reads(m
     got = list(DataLoader(dataset, worker_method=method, in_order=in_order, **options))
     assert (got if in_order else sorted(got)) == (want if in_order else sorted(want))
     assert dataset.setting == "none"  # the loader's own dataset is no worker's copy
+
+
+A_BATCH_WAS_READ = threading.Event()
+
+
+class ReadAnyWhere(SetUpPerWorker):
+    """Its reads tell :func:`set_up_worker_0_late`."""
+
+    def __getitem__(self, index: int) -> str:
+        A_BATCH_WAS_READ.set()
+        return super().__getitem__(index)
+
+
+def set_up_worker_0_late(worker_id: int) -> None:
+    """Worker 0 sets its copy up only after a batch was read (or half a second passed)."""
+    if worker_id == 0:
+        A_BATCH_WAS_READ.wait(0.5)
+    set_up_worker(worker_id)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_copy_is_read_only_after_its_worker_init_fn_set_it_up(in_order):
+    """Worker thread 1 may take batch 0, copy 0's, before thread 0's worker_init_fn has set
+    copy 0 up: it waits for that, as worker process 0 reads batch 0 after its own set-up.
+    Before, batch 0 read "none" here."""
+    options = dict(batch_size=2, num_workers=2, worker_init_fn=set_up_worker_0_late)
+    want = list(tud.DataLoader(SetUpPerWorker(), **options))
+    assert want[0][0].startswith("set up by 0 read by 0: ")
+    A_BATCH_WAS_READ.clear()
+    got = list(DataLoader(ReadAnyWhere(), worker_method="thread", in_order=in_order, **options))
+    assert (got if in_order else sorted(got)) == (want if in_order else sorted(want))
 
 
 @pytest.mark.integration

@@ -51,15 +51,33 @@ class StalePass(RuntimeError):
 
 class Turns:
     """Each copy runs its batches one at a time, in the order the source numbered them, and
-    never two passes' at once. A new pass (:meth:`begin`) makes the last one's batches stale."""
+    never two passes' at once. A new pass (:meth:`begin`) makes the last one's batches stale.
 
-    def __init__(self, copies: int) -> None:
+    With ``set_up`` (worker threads' copies), a copy's first turn waits until its worker thread
+    has started (:meth:`starting`): that thread's ``worker_init_fn`` sets the copy up, while
+    another thread may take the copy's first batch. A worker process sets its own copy up
+    before it reads a batch."""
+
+    def __init__(self, copies: int, set_up: bool = False) -> None:
         self._lock = threading.RLock()  # entered itself (see torch_spdl.pipeline.channel)
         self._changed = threading.Condition(self._lock)
         self._generation = 0
         self._next = [0] * copies
         self._busy = [False] * copies
+        self._ready = [not set_up] * copies
         self._stopped = False
+
+    def starting(self, start: Callable[[int], None]) -> Callable[[int], None]:
+        """Worker ``i``'s ``on_start``: ``start(i)``, then copy ``i`` is ready. A start that
+        raised leaves the copy unread: the pipeline stops on that error (:meth:`stop`)."""
+
+        def started(worker_id: int) -> None:
+            start(worker_id)
+            with self._lock:
+                self._ready[worker_id] = True
+                self._changed.notify_all()
+
+        return started
 
     def begin(self) -> int:
         """A new pass: its number."""
@@ -94,7 +112,8 @@ class Turns:
         return self._stopped or task.generation != self._generation
 
     def _due(self, task: CopyTask) -> bool:
-        return self._next[task.copy] == task.turn and not self._busy[task.copy]
+        copy = task.copy
+        return self._ready[copy] and self._next[copy] == task.turn and not self._busy[copy]
 
 
 def copy_tasks(

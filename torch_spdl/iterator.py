@@ -50,7 +50,7 @@ from .compat import (
     pin_memory,
     profiler_enabled,
 )
-from .copies import CopyTask, InTurns, ThreadCopies, Turns, on_copies
+from .copies import InTurns, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
 from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
 from .hooks import Hooks
@@ -379,7 +379,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """The ``fetch`` stage's function, ``on_start`` and gate, and the source's tasks for
         it; ``copies``, the worker threads' copies of a dataset with state per worker."""
         if self._plan.copies:
-            return self._on_copies(pool, copies), start, None
+            return self._on_copies(pool, copies, start)
         self._make_source = fetch_tasks
         if pool is None:
             read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
@@ -391,20 +391,20 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return self._cpu_stage(loader, fn, start, "fetch", tasks_per_batch=1)
 
     def _on_copies(
-        self, pool: ProcessPool | None, copies: ThreadCopies | None
-    ) -> Callable[[CopyTask], Any]:
+        self, pool: ProcessPool | None, copies: ThreadCopies | None, start: Callable[[int], None]
+    ) -> CpuStage:
         """The fetch stage over one copy of a dataset with state per worker, batch ``i`` on copy
         ``i % num_workers`` (:mod:`torch_spdl.copies`), in worker processes (``pool``) or on the
-        threads' ``copies``; the pass's source numbers the tasks so
-        (:func:`~torch_spdl.copies.copy_tasks`)."""
-        turns = self._turns = Turns(self._num_workers)
+        threads' ``copies``, each read once its worker has started; the pass's source numbers
+        the tasks so (:func:`~torch_spdl.copies.copy_tasks`)."""
+        turns = self._turns = Turns(self._num_workers, set_up=copies is not None)
         if pool is not None:
             run = pool.fetch_on
         else:
             assert copies is not None  # made with the pipeline where no pool reads the copies
-            run = copies.run
+            run, start = copies.run, turns.starting(start)
         self._make_source = self._current.copy_tasks(turns)
-        return on_copies(run, turns, tagged=not self._plan.in_order)
+        return on_copies(run, turns, tagged=not self._plan.in_order), start, None
 
     def _thread_copies(self) -> ThreadCopies:
         """A copy of the dataset per worker thread, each with its worker's WorkerInfo."""
