@@ -33,3 +33,9 @@ def test_a_dense_tensor_is_rebuilt_from_its_bytes_with_its_strides(tensor: torch
 )
 def test_a_view_with_gaps_or_overlaps_has_no_memory_order(view: torch.Tensor):
     assert layout.memory_order(view) is None
+
+
+def test_a_tensor_fills_its_memory_unless_it_views_a_larger_one():
+    base = torch.arange(12).view(3, 4)
+    assert layout.fills_its_memory(base) and layout.fills_its_memory(base.t())
+    assert not layout.fills_its_memory(base[1:]) and not layout.fills_its_memory(base[:2])

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from . import layout
 from .failures import SKIPPED, FailureBudget, Step, gather
 from .folder import folder_samples
 from .pipeline import Failure
@@ -67,12 +68,8 @@ def _owned(tensor: torch.Tensor, whole: set[int]) -> torch.Tensor:
 
 
 def _fills_its_memory(tensor: torch.Tensor) -> bool:
-    return bool(
-        tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == tensor.nbytes
-    )
+    cpu = tensor.device.type == "cpu" and tensor.layout == torch.strided
+    return cpu and layout.fills_its_memory(tensor)
 
 
 def _memory(tensor: torch.Tensor) -> int:

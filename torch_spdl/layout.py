@@ -14,6 +14,11 @@ def memory_order(tensor: torch.Tensor) -> list[int] | None:
     return order if tensor.permute(order).is_contiguous() else None
 
 
+def fills_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is all of its storage: not a view into a larger one."""
+    return bool(tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes)
+
+
 def in_memory_order(tensor: torch.Tensor, order: list[int]) -> torch.Tensor:
     """``tensor`` permuted into its memory ``order``: a contiguous view of the same bytes."""
     return tensor.detach().permute(order)

@@ -80,8 +80,7 @@ def _copied_whole(tensor: torch.Tensor) -> list[int] | None:
     yet, all of their storage, dense in some order."""
     if not _plain(tensor) or tensor.is_shared():
         return None
-    # a view of a larger storage: torch's reductions send it as a view
-    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+    if not layout.fills_its_memory(tensor):  # a view: torch's reductions send it as one
         return None
     return layout.memory_order(tensor)
 
@@ -134,8 +133,9 @@ class _Pickler(ForkingPickler):
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
-        base = self.whole.get(obj.untyped_storage().data_ptr()) if _plain(obj) else None
-        if base is not None and base.dtype == obj.dtype:
+        # a view of a tensor this message sent whole already (none yet: nothing to look up)
+        base = self.whole.get(obj.untyped_storage().data_ptr()) if self.whole else None
+        if base is not None and base.dtype == obj.dtype and _plain(obj):
             return _view_of, (base, tuple(obj.shape), obj.stride(), obj.storage_offset())
         order = _inline(obj)
         if order is not None:
@@ -153,7 +153,7 @@ class _Pickler(ForkingPickler):
     def _sent_whole(self, tensor: torch.Tensor) -> None:
         """``tensor`` is sent by value or copied: where that is all of its memory, later views
         of that memory are sent as views of it."""
-        if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        if layout.fills_its_memory(tensor):
             self.whole.setdefault(tensor.untyped_storage().data_ptr(), tensor)
 
 
