@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from torch_spdl.pipeline import channel as channel_module
 from torch_spdl.pipeline.channel import Channel, Closed, Gate, Stopped, StopSignal
 
 
@@ -150,3 +151,51 @@ def test_the_stop_signal_ends_a_wait_at_the_gate():
     assert not waiting.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Stopped)
     with pytest.raises(ValueError, match="at least 1"):
         Gate(0)
+
+
+class Waited(Exception):
+    """Ends a wait that :class:`RecordedWaits` recorded."""
+
+
+class RecordedWaits:
+    """Stands in for a condition's ``wait``: records how long it was asked to wait, and ends
+    the wait with :class:`Waited`."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float | None] = []
+
+    def __call__(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        raise Waited
+
+
+def waits_of_a_get(timeout: float | None, in_main_thread: bool) -> list[float | None]:
+    """The waits an empty channel's ``get(timeout)`` asks for, in the main thread or another."""
+    channel: Channel[int] = Channel(4, StopSignal())
+    channel._not_empty.wait = recorded = RecordedWaits()
+
+    def get() -> None:
+        with pytest.raises(Waited):
+            channel.get(timeout)
+
+    if in_main_thread:
+        get()
+    else:
+        thread = threading.Thread(target=get)
+        thread.start()
+        thread.join()
+    return recorded.timeouts
+
+
+def test_the_main_thread_waits_in_slices_for_its_pending_signals_and_workers_until_woken():
+    """Python runs signal handlers in the main thread between bytecodes, and on free-threaded
+    3.13 a wait that began as Ctrl-C arrived sat on it until the wait ended (the Ctrl-C test of
+    test_shutdown hung in about one run in four): the main thread's waits end within
+    SIGNAL_CHECK_S, a worker thread's last until it is woken."""
+    assert waits_of_a_get(None, in_main_thread=True) == [channel_module.SIGNAL_CHECK_S]
+    assert waits_of_a_get(None, in_main_thread=False) == [None]
+    assert waits_of_a_get(60.0, in_main_thread=True) == [channel_module.SIGNAL_CHECK_S]
+    (short,) = waits_of_a_get(0.2, in_main_thread=True)
+    assert 0 < short <= 0.2
+    (long,) = waits_of_a_get(60.0, in_main_thread=False)
+    assert 59 < long <= 60

@@ -11,6 +11,12 @@ Their locks are entered as locks (``with self._lock:``), never through the ``Con
 ``with`` block to release it, and the shutdown that follows (:meth:`StopSignal.set` waking every
 channel) then waits for it forever. A lock's own ``__enter__`` is C: it takes the lock and the
 block begins with nothing in between.
+
+The main thread, where Python runs its signal handlers, waits at most
+:data:`SIGNAL_CHECK_S` at a time. A wait acts on a signal that arrives while it blocks; on
+free-threaded CPython 3.13 one that arrives as the wait begins (Ctrl-C sent the moment the
+consumer asks for the next batch) can stay pending until the wait ends, which without a limit
+is never.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+SIGNAL_CHECK_S = 1.0  # the longest the main thread waits before its pending signals run
+
+
+def _wait_slice() -> float | None:
+    """How long this thread waits in one go for what has no deadline (see the module's
+    docstring): a worker thread until it is woken."""
+    return SIGNAL_CHECK_S if threading.current_thread() is threading.main_thread() else None
 
 
 class Stopped(Exception):
@@ -132,12 +146,13 @@ class Channel(Generic[T]):
                 if self._producers == 0:
                     raise Closed
                 if deadline is None:
-                    self._not_empty.wait()
+                    self._not_empty.wait(_wait_slice())
                 else:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError
-                    self._not_empty.wait(remaining)
+                    limit = _wait_slice()
+                    self._not_empty.wait(remaining if limit is None else min(remaining, limit))
             return self._pop()
 
     def poll(self) -> T | None:
