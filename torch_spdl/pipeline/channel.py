@@ -145,14 +145,13 @@ class Channel(Generic[T]):
                     raise Stopped
                 if self._producers == 0:
                     raise Closed
-                if deadline is None:
-                    self._not_empty.wait(_wait_slice())
-                else:
+                limit = _wait_slice()
+                if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError
-                    limit = _wait_slice()
-                    self._not_empty.wait(remaining if limit is None else min(remaining, limit))
+                    limit = remaining if limit is None else min(remaining, limit)
+                self._not_empty.wait(limit)
             return self._pop()
 
     def poll(self) -> T | None:
