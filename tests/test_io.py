@@ -7,6 +7,7 @@ import io
 import logging
 import pickle
 import random
+import subprocess
 import sys
 import types
 import warnings
@@ -243,6 +244,50 @@ def test_without_torchvisions_op_its_python_decoder_decodes_the_same(monkeypatch
         for mode in (tvio.ImageReadMode.RGB, tvio.ImageReadMode.GRAY):
             assert torch.equal(wrapper(tensor_of(data), mode), op(tensor_of(data), mode))
     assert len(calls) == 2 * (1 + len(png_sources()))  # the wrapper's, not the op's
+
+
+def test_a_torchvision_without_decoders_leaves_every_image_to_pillow(monkeypatch):
+    """torchvision's decoders are moving to TorchCodec: where neither the op nor its Python
+    wrapper is left, Pillow decodes, to the pixels torchvision gave for RGB, and bytes that are
+    no image are refused with the same error as before."""
+    expected = {name: decode_image(data) for name, data in png_sources().items()}
+    expected["jpeg"] = decode_image(jpeg(40, 56))
+    with monkeypatch.context() as lacking:
+        lacking.setattr(torch.ops, "image", types.SimpleNamespace())
+        lacking.setattr(image_module, "_tv_decode", None)
+        assert image_module.torchvision_decoder() is None
+    monkeypatch.setattr(image_module, "_TV_DECODE", None)
+    sources = {**png_sources(), "jpeg": jpeg(40, 56)}
+    for name, data in sources.items():
+        assert torch.equal(decode_image(data), expected[name]), name
+        assert decode_image(data, mode="RGBA").shape[0] == 4
+    with pytest.raises(ValueError, match=r"cannot decode image \(7 bytes, starting b'garbage'\)"):
+        decode_image(b"garbage")
+
+
+def test_torch_spdl_io_imports_and_decodes_where_torchvision_has_no_image_decoders():
+    """A torchvision without ``ImageReadMode``, ``decode_image`` or the ops under them: the
+    package imports, decodes JPEGs with Pillow, and has no GPU decoder to offer."""
+    code = """
+import io, types
+import torch, torchvision.io
+from PIL import Image
+del torchvision.io.ImageReadMode, torchvision.io.decode_image
+torch.ops.image = types.SimpleNamespace()
+from torch_spdl.io import decode_image
+from torch_spdl.io.device_decode import batch_decoder
+from torch_spdl.io.region import decodes_as_torchvision
+from torchvision.transforms.v2.functional import pil_to_tensor
+buffer = io.BytesIO()
+Image.effect_noise((48, 32), 40).convert("RGB").save(buffer, "JPEG")
+pixels = decode_image(buffer.getvalue())
+assert torch.equal(pixels, pil_to_tensor(Image.open(buffer).convert("RGB")))
+assert batch_decoder(torch.device("cuda")) is None and not decodes_as_torchvision()
+print("decoded", tuple(pixels.shape))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "decoded (3, 32, 48)" in done.stdout
 
 
 def test_decoding_on_threads_matches_serial():

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torchvision.io import ImageReadMode
 from torchvision.ops import roi_align
 
 from .. import messages
@@ -53,7 +52,7 @@ from .image import _JPEG_MAGIC, _TV_MODES, Mode, _decode, _starts_with
 logger = logging.getLogger("torch_spdl")
 
 Box = tuple[int, int, int, int]  # top, left, height, width
-Decode = Callable[[list[torch.Tensor], ImageReadMode, torch.device], list[torch.Tensor]]
+Decode = Callable[[list[torch.Tensor], Any, torch.device], list[torch.Tensor]]  # an ImageReadMode
 
 
 @dataclass(frozen=True, slots=True)

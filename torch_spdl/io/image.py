@@ -13,24 +13,43 @@ return grey; its PNG decoder mishandles alpha for palette and low-bit-depth imag
 torchvision 0.29 deprecates these decoders in favour of TorchCodec's, and its Python wrapper
 emits a ``DeprecationWarning`` on every call. The decode calls the op the wrapper calls,
 without the warning (:func:`torchvision_decoder`); every torchvision decode goes through
-:func:`_decode`, the one place to change when they are removed.
+:func:`_decode`. A torchvision whose decoders are gone (neither the op nor the wrapper) leaves
+every image to Pillow: libjpeg-turbo as well for JPEG, with the same pixels
+(:func:`~torch_spdl.io.region.decodes_as_pillow` checks that they agree), grey made by
+Pillow's formula and 16-bit grey clipped, the GIL released less of the time. TorchCodec's
+decoder is not the fallback: it applies a JPEG's EXIF orientation, which these do not.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
+import torchvision.io
 from PIL import Image
-from torchvision.io import ImageReadMode
-from torchvision.io import decode_image as _tv_decode
 from torchvision.transforms.v2.functional import pil_to_tensor, to_dtype
 
 from .jpeg import Encoded, as_array, jpeg_dimensions
 from .resize import Size, output_size, resize
+
+
+class _ReadMode(enum.Enum):
+    """torchvision's ``ImageReadMode``, by the values its decoding ops take, for a torchvision
+    that no longer has it."""
+
+    UNCHANGED = 0
+    GRAY = 1
+    GRAY_ALPHA = 2
+    RGB = 3
+    RGB_ALPHA = 4
+
+
+ImageReadMode: Any = getattr(torchvision.io, "ImageReadMode", _ReadMode)
+_tv_decode: Callable[..., torch.Tensor] | None = getattr(torchvision.io, "decode_image", None)
 
 Mode = Literal["RGB", "RGBA", "L", "LA"]
 ImageData = bytes | bytearray | memoryview | torch.Tensor
@@ -42,17 +61,19 @@ _TV_MODES = {
     (True, False): ImageReadMode.GRAY,
     (True, True): ImageReadMode.GRAY_ALPHA,
 }
-Decoder = Callable[[torch.Tensor, ImageReadMode], torch.Tensor]
+Decoder = Callable[[torch.Tensor, Any], torch.Tensor]  # encoded bytes, an ImageReadMode
 
 
-def torchvision_decoder() -> Decoder:
+def torchvision_decoder() -> Decoder | None:
     """torchvision's image decode: the op it registers (``torch.ops.image.decode_image``, what
     ``torchvision.io.decode_image`` calls for a tensor after its deprecation warning), so that
     no warning of torchvision's reaches our users; where a torchvision lacks that op, its Python
-    wrapper, warning and all."""
+    wrapper, warning and all; None where it has neither (its decoders moved to TorchCodec)."""
     try:
         op = torch.ops.image.decode_image
     except (AttributeError, RuntimeError):  # not registered: no such op in this torchvision
+        if _tv_decode is None:
+            return None
         return lambda encoded, mode: _tv_decode(encoded, mode=mode)
     return lambda encoded, mode: op(encoded, mode.value, False)
 
@@ -156,15 +177,12 @@ def _starts_with(encoded: Encoded, magic: bytes) -> bool:
 def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     """torchvision decode in a mode it handles for this format, then the channels fixed up."""
     request = _request(encoded, mode)
-    if request is None:  # an alpha torchvision would drop: Pillow reads it
+    if request is None or _TV_DECODE is None:  # an alpha torchvision would drop, or no decoder
         return _decode_with_pillow(encoded, mode)
     try:
         image = _TV_DECODE(encoded, request)
     except RuntimeError as err:
-        head = encoded[:16].numpy().tobytes()
-        raise ValueError(
-            f"cannot decode image ({encoded.numel()} bytes, starting {head!r}): {err}"
-        ) from err
+        raise _undecodable(encoded, err) from err
     if image.dim() == 4:  # an animated GIF: its first frame, as Pillow opens it
         image = image[0]
     if image.dtype == torch.uint16:  # 16-bit PNG: keep the high byte
@@ -246,9 +264,18 @@ def _luma(rgb: torch.Tensor) -> torch.Tensor:
 
 
 # -- Pillow paths ------------------------------------------------------------------------------
+def _undecodable(encoded: torch.Tensor, error: Exception) -> ValueError:
+    """The error for bytes a decoder refused: their length, their first bytes, and why."""
+    head = encoded[:16].numpy().tobytes()
+    return ValueError(f"cannot decode image ({encoded.numel()} bytes, starting {head!r}): {error}")
+
+
 def _decode_with_pillow(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
-    with Image.open(io.BytesIO(encoded.numpy().data)) as image:
-        return pil_to_tensor(image.convert(mode))
+    try:
+        with Image.open(io.BytesIO(encoded.numpy().data)) as image:
+            return pil_to_tensor(image.convert(mode))
+    except (OSError, SyntaxError) as err:  # not an image, or cut short (Pillow's own errors)
+        raise _undecodable(encoded, err) from err
 
 
 def _decode_jpeg_draft(

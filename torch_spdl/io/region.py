@@ -76,11 +76,11 @@ def decodes_as_torchvision() -> bool:
     """:func:`decodes_as_pillow`'s check against torchvision's decoder (libjpeg-turbo too, built
     into torchvision), which :func:`torch_spdl.io.decode_image` and torchvision's own
     ``decode_image``/``decode_jpeg`` call for a JPEG."""
-    from torchvision.io import ImageReadMode
-
-    from .image import torchvision_decoder
+    from .image import ImageReadMode, torchvision_decoder
 
     decode = torchvision_decoder()
+    if decode is None:  # this torchvision decodes no image: nothing to agree with
+        return False
 
     def whole(data: bytes) -> np.ndarray:
         image = decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageReadMode.RGB)
