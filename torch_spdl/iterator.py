@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import operator
 import time
 import traceback
 import warnings
@@ -96,13 +97,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 started_with = self._shared_seed
                 BaseDataLoaderIter._reset(self, loader, first_iter=True)
                 self._shared_seed = started_with
-        if self._num_workers == 0 and self._timeout != 0:
-            raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
-        prefetch_factor = loader.prefetch_factor  # torch sets it (2) where there are workers
-        if self._num_workers > 0 and (prefetch_factor is None or prefetch_factor <= 0):
-            raise iterator_error(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
-            )
+        self._check_worker_options(loader)
         plan = self._plan = loader._plan(self)
         self._current = resume.CurrentPass()  # for what the pipeline calls every pass
         # where "auto" may move a pass mid-way to worker processes reading whole batches: the
@@ -824,6 +819,26 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         switch, decided = self._switch, plan.decision
         moving = decided is not None and decided.executor == PROCESS  # now, or once they are up
         return moving and switch is not None and switch.route != PROCESS and not switch.starting
+
+    def _check_worker_options(self, loader: DataLoader) -> None:
+        """torch's iterators' checks of the options, with their errors. Where there are workers,
+        torch's iterator keeps ``_prefetch_factor`` and ``_in_order`` and passes the worker count
+        and the window to ``range``: ``num_workers=True`` is one worker, and a float count or
+        factor fails as its TypeError. A factor of None (set after ``__init__``) fails as its
+        comparison does."""
+        if self._num_workers == 0:
+            if self._timeout != 0:
+                raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
+            return
+        self._num_workers = operator.index(self._num_workers)
+        factor: Any = loader.prefetch_factor  # whatever was assigned: torch's checks judge it
+        self._prefetch_factor = factor
+        self._in_order = loader.in_order
+        if factor <= 0:
+            raise iterator_error(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
+        operator.index(factor * self._num_workers)
 
     def _begin_pass(
         self,
