@@ -423,6 +423,25 @@ def test_a_thread_stuck_in_user_code_at_close_is_named_and_left_to_finish(monkey
     assert not stuck.is_alive()
 
 
+def test_a_thread_stuck_at_exit_is_waited_for_and_named_once(monkeypatch):
+    """At exit the exit hook closes every pipeline and then each pipeline's finaliser runs:
+    the wait for a stuck thread is JOIN_TIMEOUT in all, with one warning."""
+    monkeypatch.setattr(pipeline_module, "JOIN_TIMEOUT", 0.2)
+    gate = threading.Event()
+    loader = DataLoader(WaitsAt(gate), batch_size=1, num_workers=2, worker_method="thread")
+    iterator = iter(loader)
+    assert [int(next(iterator)) for _ in range(3)] == [0, 1, 2]
+    with pytest.warns(ThreadLeftWarning) as record:
+        pipeline_module._close_all_at_exit()
+        iterator._pipeline._finalizer()  # as atexit runs it, after threading's exit hooks
+    assert len(record) == 1
+    (stuck,) = [thread for thread in threading.enumerate() if ":fetch:" in thread.name]
+    gate.set()
+    stuck.join(TIMEOUT)
+    assert not stuck.is_alive()
+    iterator.close()
+
+
 def test_threads_that_stop_at_close_raise_no_warning():
     loader = DataLoader(WaitsAt(threading.Event(), at=-1), batch_size=1, num_workers=2)
     iterator = iter(loader)

@@ -100,6 +100,7 @@ class _Runtime:
         self._start_lock = threading.Lock()
         self._all_started = threading.Event()
         self.closers: list[Callable[[], None]] = []  # run once the threads are joined
+        self._closed = False
         upstream, producers, release = self._build_source(source, stages)
         made_by = "source"  # what made the items upstream: the source or a regroup
         for position, stage in enumerate(stages):
@@ -298,7 +299,11 @@ class _Runtime:
     def close(self) -> None:
         """Stop every thread and join it. A thread stuck in user code is given up on after
         ``JOIN_TIMEOUT`` in all, with a :class:`~.stacks.ThreadLeftWarning` that says where it
-        is; it is a daemon thread, so it cannot keep the interpreter alive."""
+        is; it is a daemon thread, so it cannot keep the interpreter alive. At exit both the exit
+        hook and the pipeline's finaliser call it: it waits and warns once."""
+        if self._closed:
+            return
+        self._closed = True
         self.halt()
         current = threading.current_thread()
         deadline = time.monotonic() + JOIN_TIMEOUT
