@@ -133,14 +133,16 @@ def _worker_main(
     num_workers: int,
     base_seed: int,
     conn: connection.Connection,
+    read: Any,
     stack_pipe: connection.Connection | None,
     forked: bool,
     niceness: int | None,
 ) -> None:
     """A worker process: set up as torch's ``_worker_loop`` does, then answer until told to stop
-    (the main process closes its end of the pipe) or until the main process is gone. ``forked``:
-    it was forked from the main process (``multiprocessing_context="fork"``). ``niceness``: the
-    CPU priority it runs at (:mod:`torch_spdl.priority`); None, the one it started with."""
+    (the main process closes its end of the pipe) or until the main process is gone. ``read``:
+    a shared count of the requests it has read (:meth:`_Worker.has_read`). ``forked``: it was
+    forked from the main process (``multiprocessing_context="fork"``). ``niceness``: the CPU
+    priority it runs at (:mod:`torch_spdl.priority`); None, the one it started with."""
     job, worker_init_fn = sent
     try:
         run_at(niceness)  # before any thread starts: they inherit it
@@ -153,7 +155,7 @@ def _worker_main(
         status, payload = _start_worker(job, worker, num_workers, base_seed, worker_init_fn)
         conn.send_bytes(dumps((status, payload), reply=True))
         if status == READY:
-            _serve(job, worker, conn)
+            _serve(job, worker, conn, read)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # Ctrl-C reaches the main process too; EOF and broken pipes: it has stopped us
     finally:
@@ -188,20 +190,26 @@ def _start_worker(
     return READY, None
 
 
-def _serve(job: Job, worker: int, conn: connection.Connection) -> None:
-    """Answer requests one at a time; between them, check on the main process like torch does."""
+def _serve(job: Job, worker: int, conn: connection.Connection, read: Any) -> None:
+    """Answer requests one at a time; between them, check on the main process like torch does.
+    Each request read is counted in ``read`` before it runs: should this process die, the main
+    process knows which of its requests it had not begun."""
     watchdog = ManagerWatchdog()
     while watchdog.is_alive():
         if not conn.poll(MP_STATUS_CHECK_INTERVAL):
             continue
         try:
-            op, payload = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
             raise
         except Exception:  # the task arrived but does not unpickle here (a missing class, say)
             where = f"in reading a task of stage {job.stage!r} in worker process {worker}"
-            _send(conn, (ERROR, ExceptionWrapper(where=where)), job.stage, worker)
+            request = ExceptionWrapper(where=where)
+        read.value += 1
+        if isinstance(request, ExceptionWrapper):
+            _send(conn, (ERROR, request), job.stage, worker)
             continue
+        op, payload = request
         reply = job.reset(worker, payload) if op == RESET else job.run(payload, worker)
         about = None if op == RESET else functools.partial(job.describe, payload)
         del payload
@@ -246,14 +254,23 @@ def _picklable(wrapper: Any) -> Any:
 
 
 # -- the main process's side ----------------------------------------------------------------------
-def _warn_lost(lost: _ReplyLost) -> None:
-    """A process died between tasks, after a reply the main process had not read: the task runs
-    again, and nothing fails, so the death is told here."""
-    warnings.warn(
-        f"{lost}; its last reply, not read yet, was lost with it, and its task runs again",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+def _warn_again(died: WorkerDied) -> None:
+    """A process died between tasks: a task it had not begun, or one whose reply the main process
+    had not read (:class:`_ReplyLost`), runs again on its replacement. Nothing fails, so the
+    death is told here."""
+    if isinstance(died, _ReplyLost):
+        what = "its last reply, not read yet, was lost with it, and its task runs again"
+    else:
+        what = "it had not begun the task sent to it, which runs again"
+    warnings.warn(f"{died}; {what}", RuntimeWarning, stacklevel=2)
+
+
+class _Sent(NamedTuple):
+    """A request sent ahead (:meth:`ProcessPool._post`), not answered yet."""
+
+    request: tuple[str, Any]
+    number: int  # its number with its process (:meth:`_Worker.has_read`)
+    error: BaseException | None = None  # why it could not be sent to a replacement
 
 
 class WorkerDied(EngineError):
@@ -285,9 +302,24 @@ class _Worker:
     conn: connection.Connection
     then: str  # what happens after it dies, for the error message
     stacks: connection.Connection | None  # where it writes its stack when asked
+    read: Any  # a shared count of the requests it has read (:func:`_serve`)
     lock: threading.RLock = field(default_factory=threading.RLock)
     dead: bool = False
     ready: bool = False  # it has said it is set up (:meth:`ProcessPool.wait_ready`)
+    sent: int = 0  # requests sent to it
+
+    def send(self, message: bytes) -> int:
+        """Send a request (the caller holds :attr:`lock`); its number, for :meth:`has_read`.
+        Raises BrokenPipeError or ConnectionResetError where the process has died."""
+        number = self.sent + 1
+        self.conn.send_bytes(message)
+        self.sent = number
+        return number
+
+    def has_read(self, number: int) -> bool:
+        """Whether the process read request ``number`` before it died. One it had not read did
+        not run there: it is no sample's failure, and runs again on the replacement."""
+        return bool(self.read.value >= number)
 
     def close(self) -> None:
         """Close our ends of its pipes (it then exits, if it has not)."""
@@ -326,6 +358,7 @@ def _start_process(
     with)."""
     forked = context.get_start_method() == "fork"
     ours, theirs = context.Pipe()
+    read = context.RawValue("Q", 0)
     stacks, stack_pipe = context.Pipe(duplex=False) if STACK_SIGNAL is not None else (None, None)
     # Processes forked later (our other workers included) must not hold our end: then a worker
     # reads EOF when the main process closes it or dies, and we get EPIPE when a worker is gone.
@@ -341,6 +374,7 @@ def _start_process(
             num_workers,
             base_seed,
             theirs,
+            read,
             stack_pipe,
             forked,
             niceness,
@@ -367,7 +401,7 @@ def _start_process(
         if isinstance(job, IterableJob)
         else "a new worker process takes over its next tasks"
     )
-    return _Worker(worker, process, ours, then, stacks)
+    return _Worker(worker, process, ours, then, stacks, read)
 
 
 class _Processes:
@@ -609,28 +643,34 @@ class ProcessPool:
 
     def _exchange(self, request: tuple[str, Any], worker: _Worker | None = None) -> Reply:
         """One request to ``worker`` (this thread's process if None) and its reply; never while
-        this thread has requests sent ahead to it (their replies come first). A reply lost with
-        its process (:class:`_ReplyLost`) is asked of the replacement; a copy's process
+        this thread has requests sent ahead to it (their replies come first). If the process
+        dies before it has read the request, or after it replied but before the reply is read
+        (:class:`_ReplyLost`), the request is asked of the replacement; a copy's process
         (``worker`` given: :meth:`fetch_on`) is not replaced."""
-        replaceable = worker is None
+        replaceable = worker is None and self._may_run_again(request)
         worker = worker or self._current()
         with worker.lock:
             self._check_open()
             # a copy's batch (:meth:`fetch_on`) may reach a process before the thread bound to
             # it has waited for its start: its word that it is set up must not pass for a reply
             self._await_ready(worker)
+            number = worker.sent + 1
             try:
-                worker.conn.send_bytes(dumps(request))
-            except (BrokenPipeError, ConnectionResetError):
-                raise worker.died() from None
-            try:
+                number = worker.send(dumps(request))
                 return self._receive(worker)
-            except _ReplyLost as lost:
-                if not replaceable:
-                    raise
-                error = lost
-        _warn_lost(error)
+            except (BrokenPipeError, ConnectionResetError):
+                died: WorkerDied = worker.died()
+            except WorkerDied as error:
+                died = error
+            if not replaceable or (worker.has_read(number) and not isinstance(died, _ReplyLost)):
+                raise died
+        _warn_again(died)
         return self._exchange(request)
+
+    def _may_run_again(self, request: tuple[str, Any]) -> bool:
+        """Whether ``request`` may go to the process that replaces a dead one: not a stream's
+        next batch, which the new process's stream has not begun (it ends for this epoch)."""
+        return not (isinstance(self.job, IterableJob) and request[0] == RUN)
 
     # -- requests sent ahead: the process has the next one queued while this thread works -------
     def _post(self, request: tuple[str, Any]) -> None:
@@ -642,31 +682,40 @@ class ProcessPool:
         with worker.lock:
             self._check_open()
             self._await_ready(worker)
+            number = worker.sent + 1  # not read, if it cannot be sent
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                worker.conn.send_bytes(message)
-        self._local.sent.append((request, None))
+                number = worker.send(message)
+        self._local.sent.append(_Sent(request, number))
 
     def _take(self, bell: int | None) -> Any:
         """The reply to this thread's oldest request, or :data:`NOT_YET` if ``bell`` turns
-        readable first. If the process died on that request, those sent after it never ran:
-        they go to the process that replaces it, in their order."""
+        readable first. If the process died running that request, those sent after it never
+        ran: they go to the process that replaces it, in their order; if it died before it had
+        read it, that one goes too."""
         worker, sent = self._local.worker, self._local.sent
-        if isinstance(sent[0][1], WorkerDied):  # the process died running it
-            raise sent.popleft()[1]
-        if sent[0][1] is not None:
+        oldest = sent[0]
+        if isinstance(oldest.error, WorkerDied):  # the process died running it
+            raise sent.popleft().error
+        if oldest.error is not None:
             raise RuntimeError(
                 f"DataLoader worker process {worker.id} died with this task queued, and no "
                 "process could take the task over"
-            ) from sent.popleft()[1]
+            ) from sent.popleft().error
         try:
             with worker.lock:
                 reply = self._receive(worker, bell)
         except _ReplyLost as lost:
             return self._again(lost, bell)
+        except WorkerDied as died:
+            if not worker.has_read(oldest.number):  # it died before it: nothing failed
+                _warn_again(died)
+                self._resend()
+                return self._take(bell)
+            sent.popleft()
+            self._resend()
+            raise
         except BaseException:
             sent.popleft()
-            if worker.dead:
-                self._resend()
             raise
         if reply is not NOT_YET:
             sent.popleft()
@@ -674,30 +723,31 @@ class ProcessPool:
 
     def _again(self, lost: _ReplyLost, bell: int | None) -> Any:
         """The oldest request's reply was lost with its process (:class:`_ReplyLost`): it runs
-        again on the replacement, with those sent after it, except the next, which the process
-        was running when it died: that one fails with the death, as where no reply was lost."""
-        sent = self._local.sent
-        again = sent.popleft()[0]
-        died_on = sent.popleft()[0] if sent else None
-        sent.appendleft((again, None))
+        again on the replacement, with those sent after it, except the next if the process had
+        read it: it died running that one, which fails with the death, as where no reply was
+        lost."""
+        worker, sent = self._local.worker, self._local.sent
+        again = sent.popleft()
+        died_on = sent.popleft() if sent and worker.has_read(sent[0].number) else None
+        sent.appendleft(again)
         self._resend()
         if died_on is None:  # it died between requests: nothing failed
-            _warn_lost(lost)
+            _warn_again(lost)
         else:
-            sent.insert(1, (died_on, WorkerDied(str(lost))))
+            sent.insert(1, died_on._replace(error=WorkerDied(str(lost))))
         return self._take(bell)
 
     def _resend(self) -> None:
         """Send this thread's unanswered requests again, to the process that replaces its dead
         one; those it cannot send are kept with why, for :meth:`_take` to raise."""
         sent = self._local.sent
-        queued = [request for request, _ in sent]
+        queued = [entry.request for entry in sent]
         sent.clear()
         for position, request in enumerate(queued):
             try:
                 self._post(request)
             except Exception as error:
-                sent.extend((later, error) for later in queued[position:])
+                sent.extend(_Sent(later, 0, error) for later in queued[position:])
                 return
 
     def _ahead(self, request: tuple[str, Any], done: Callable[[Reply], Any]) -> Result:
