@@ -1082,7 +1082,8 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
         assert pids == {os.getpid()}
         return
     assert executor.startswith("worker_method='auto' chose process"), executor
-    assert pids - {os.getpid()}, "no batch came from a worker process"
+    if auto.NEXT_PASS not in executor:  # a loaded host may find the move too late to pay
+        assert pids - {os.getpid()}, f"no batch came from a worker process: {executor}"
     # the next pass starts in processes: every batch from a worker process
     got, pids = indices_of(loader)
     assert got == expected and os.getpid() not in pids
