@@ -7,10 +7,13 @@ import io
 import logging
 import pickle
 import random
+import re
+import struct
 import subprocess
 import sys
 import types
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -198,6 +201,76 @@ def test_bytes_are_copied_not_aliased():
     original = bytes(bytearray(data))
     byte_tensor(data).fill_(0)
     assert data == original
+
+
+def png_with_rows_promised(promised: int, held: int = 50) -> bytes:
+    """An 8-pixel-wide RGB PNG whose header promises ``promised`` rows and whose data holds
+    ``held``, its header's CRC right: libpng's "Not enough image data"."""
+    png = bytearray(encode(Image.new("RGB", (8, held), (10, 20, 30)), "PNG"))
+    png[20:24] = struct.pack(">I", promised)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    return bytes(png)
+
+
+def png_with_a_bad_row_filter() -> bytes:
+    """An 8 × 10 RGB PNG whose sixth row names filter type 9 (they are 0-4)."""
+    raw = bytearray(b"".join(b"\0" + bytes(24) for _ in range(10)))
+    raw[5 * 25] = 9
+    png = encode(Image.new("RGB", (8, 10)), "PNG")
+    start = png.index(b"IDAT") - 4
+    end = start + 12 + struct.unpack(">I", png[start : start + 4])[0]
+    data = zlib.compress(bytes(raw))
+    idat = struct.pack(">I", len(data)) + b"IDAT" + data
+    return png[:start] + idat + struct.pack(">I", zlib.crc32(idat[4:])) + png[end:]
+
+
+def test_damaged_pngs_do_not_end_the_process():
+    """torchvision's PNG decoder ends the process (SIGSEGV) on both, so a damaged file would
+    take the training job with it. Decoded by Pillow (in a child process, in case that comes
+    back): rows missing are black, as Pillow gives them; a bad row filter is a ValueError."""
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "from test_io import png_with_rows_promised, png_with_a_bad_row_filter\n"
+        "from torch_spdl.io import decode_image, RandomResizedCrop\n"
+        "image = decode_image(png_with_rows_promised(100))\n"
+        "print(tuple(image.shape), image[:, 49, 0].tolist(), image[:, 50:, :].max().item())\n"
+        "print(tuple(RandomResizedCrop(16)(png_with_rows_promised(100)).shape))\n"
+        "try:\n"
+        "    decode_image(png_with_a_bad_row_filter())\n"
+        "except ValueError as error:\n"
+        "    print(str(error))\n"
+    )
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+    run = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    image, crop, error = run.stdout.splitlines()
+    assert (image, crop) == ("(3, 100, 8) [10, 20, 30] 0", "(3, 16, 16)")
+    assert re.match(r"cannot decode image \(\d+ bytes, starting b'\\x89PNG", error), error
+
+
+def test_a_16bit_grey_pngs_transparent_level_is_its_alpha():
+    """Pillow's ``convert("LA")`` ignores a 16-bit grey PNG's tRNS level; its 8-bit one is
+    Pillow's, as for any 8-bit PNG."""
+    values = np.array([[0x1234, 0xABCD], [0x1234, 0x0042]], dtype=np.uint16)
+    png = bytearray(encode(Image.fromarray(values), "PNG"))
+    idat = png.index(b"IDAT") - 4
+    trns = b"tRNS" + struct.pack(">H", 0x1234)
+    png[idat:idat] = struct.pack(">I", 2) + trns + struct.pack(">I", zlib.crc32(trns))
+    grey = (values >> 8).astype(np.uint8)
+    alpha = np.where(values == 0x1234, 0, 255).astype(np.uint8)
+    assert decode_image(bytes(png), mode="LA").numpy().tolist() == [grey.tolist(), alpha.tolist()]
+    rgba = decode_image(bytes(png), mode="RGBA").numpy()
+    assert rgba[:3].tolist() == [grey.tolist()] * 3 and rgba[3].tolist() == alpha.tolist()
+    assert decode_image(bytes(png), mode="L").numpy()[0].tolist() == grey.tolist()
+
+
+def test_a_damaged_jpeg_is_the_same_value_error_with_draft():
+    data = encode(Image.new("RGB", (640, 480), (200, 30, 30)), "JPEG")
+    cut = data[: len(data) * 9 // 10]
+    for damaged in (cut, data[:400] + bytes(range(256)) * 8 + data[2448:]):
+        for draft in (False, True):
+            with pytest.raises(ValueError, match=r"cannot decode image"):
+                decode_image(damaged, size=64, draft=draft)
 
 
 def test_decode_image_errors():

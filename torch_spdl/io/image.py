@@ -1,14 +1,16 @@
 """Image bytes → uint8 ``C×H×W`` tensor, for a dataset's ``preprocess`` hook.
 
-Decoding goes through torchvision's native decoders (libjpeg-turbo, libpng, libwebp), which take
+JPEG, WebP and GIF go through torchvision's native decoders (libjpeg-turbo, libwebp), which take
 the encoded bytes as a tensor wrapped around the buffer and release the GIL while they work, so
-several ``preprocess`` threads decode in parallel. Pillow is used only where it does something
-torchvision cannot: draft-mode JPEG decoding (``draft=True``), and alpha from a grey or RGB PNG's
-``tRNS`` chunk, which torchvision's PNG decoder ignores.
+several ``preprocess`` threads decode in parallel. Pillow decodes PNG, whose decode releases the
+GIL too: torchvision's PNG decoder ends the whole process (SIGSEGV) on some damaged files (a header
+that promises more rows than the data holds: libpng's "Not enough image data"), where a sample
+must fail alone; it also ignores a grey or RGB PNG's ``tRNS`` alpha. Pillow also does what
+torchvision cannot: draft-mode JPEG decoding (``draft=True``).
 
 torchvision's decoders disagree on modes (JPEG has no alpha; GIF always returns RGB; WebP cannot
-return grey; its PNG decoder mishandles alpha for palette and low-bit-depth images), so
-:func:`decode_image` asks each for a mode it gets right and converts the channels itself.
+return grey), so :func:`decode_image` asks each for a mode it gets right and converts the
+channels itself.
 
 torchvision 0.29 deprecates these decoders in favour of TorchCodec's, and its Python wrapper
 emits a ``DeprecationWarning`` on every call. The decode calls the op the wrapper calls,
@@ -25,7 +27,7 @@ from __future__ import annotations
 import enum
 import io
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -103,7 +105,9 @@ def decode_image(
     to ``"L"`` takes libjpeg's luma (as ``decode_jpeg(mode=GRAY)`` does), which can differ from
     Pillow's RGB→L formula by a few levels; 16-bit PNGs are scaled to 8 bits (``value >> 8``)
     where Pillow clips grey ones. GIF transparency is dropped and only the first frame is returned.
-    EXIF orientation is not applied (neither torchvision nor Pillow does by default).
+    EXIF orientation is not applied (neither torchvision nor Pillow does by default). As with
+    Pillow, a 16-bit RGB PNG's ``tRNS`` colour makes no alpha, and a PNG whose pixel data ends
+    early decodes with its missing rows black; other damaged files raise ``ValueError``.
 
     ``draft=True`` lets a JPEG that is at least twice ``size`` in both dimensions be decoded by
     Pillow's draft mode, which has libjpeg scale the DCT by 1/2, 1/4 or 1/8 so that far fewer
@@ -175,10 +179,11 @@ def _starts_with(encoded: Encoded, magic: bytes) -> bool:
 
 # -- torchvision path --------------------------------------------------------------------------
 def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
-    """torchvision decode in a mode it handles for this format, then the channels fixed up."""
-    request = _request(encoded, mode)
-    if request is None or _TV_DECODE is None:  # an alpha torchvision would drop, or no decoder
+    """torchvision decode in a mode it handles for this format, then the channels fixed up; PNG,
+    and everything where torchvision has no decoder, by Pillow."""
+    if _TV_DECODE is None or _starts_with(encoded, _PNG_MAGIC):
         return _decode_with_pillow(encoded, mode)
+    request = _request(encoded, mode)
     try:
         image = _TV_DECODE(encoded, request)
     except RuntimeError as err:
@@ -190,47 +195,14 @@ def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     return convert_channels(image, mode)
 
 
-def _request(encoded: torch.Tensor, mode: Mode) -> ImageReadMode | None:
-    """The mode to ask torchvision for, or ``None`` to decode with Pillow instead.
-
-    Grey is asked of libjpeg (its luma) and of grey PNGs only; anything else is decoded as RGB and
-    turned grey with Pillow's formula. Alpha is asked for only where the file has alpha that
-    torchvision reads correctly; otherwise an opaque channel is added afterwards.
-    """
+def _request(encoded: torch.Tensor, mode: Mode) -> ImageReadMode:
+    """The mode to ask torchvision for: grey of libjpeg (its luma) only, anything else as RGB
+    and turned grey with Pillow's formula; alpha where the file may have it (WebP), else an
+    opaque channel is added afterwards."""
     want_gray, want_alpha = mode in ("L", "LA"), mode in ("RGBA", "LA")
     if _starts_with(encoded, _JPEG_MAGIC):
         return _TV_MODES[want_gray, False]
-    if not _starts_with(encoded, _PNG_MAGIC):
-        return _TV_MODES[False, want_alpha]
-    png = _png_header(encoded)
-    if png is None:  # malformed: let torchvision report it
-        return _TV_MODES[False, False]
-    if want_alpha and png.has_trns and png.color_type in (0, 2):
-        return None
-    has_alpha = png.color_type in (4, 6) or (png.color_type == 3 and png.has_trns)
-    return _TV_MODES[png.color_type in (0, 4), want_alpha and has_alpha]
-
-
-class PngHeader(NamedTuple):
-    color_type: int  # 0 grey, 2 RGB, 3 palette, 4 grey+alpha, 6 RGBA
-    has_trns: bool
-
-
-def _png_header(encoded: torch.Tensor) -> PngHeader | None:
-    """Colour type from IHDR and whether a tRNS chunk precedes the pixel data."""
-    buf = encoded.numpy()
-    color_type, pos = None, 8
-    while pos + 8 <= len(buf):
-        length = int.from_bytes(buf[pos : pos + 4].tobytes(), "big")
-        kind = buf[pos + 4 : pos + 8].tobytes()
-        if kind == b"IHDR" and pos + 18 <= len(buf):
-            color_type = int(buf[pos + 17])
-        elif kind == b"tRNS":
-            return None if color_type is None else PngHeader(color_type, True)
-        elif kind == b"IDAT":
-            break
-        pos += 12 + length
-    return None if color_type is None else PngHeader(color_type, False)
+    return _TV_MODES[False, want_alpha]
 
 
 def convert_channels(image: torch.Tensor, mode: Mode) -> torch.Tensor:
@@ -273,9 +245,26 @@ def _undecodable(encoded: torch.Tensor, error: Exception) -> ValueError:
 def _decode_with_pillow(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(encoded.numpy().data)) as image:
+            if image.mode in _SIXTEEN_BIT_GREY:
+                return _sixteen_bit_grey(image, mode)
             return pil_to_tensor(image.convert(mode))
     except (OSError, SyntaxError) as err:  # not an image, or cut short (Pillow's own errors)
         raise _undecodable(encoded, err) from err
+
+
+_SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I")  # Pillow's modes for a 16-bit grey PNG
+
+
+def _sixteen_bit_grey(image: Image.Image, mode: Mode) -> torch.Tensor:
+    """A 16-bit grey PNG as torchvision decodes it: ``value >> 8`` (Pillow's ``convert`` clips
+    at 255), with the alpha of its ``tRNS`` grey level, which Pillow's ``convert`` ignores."""
+    values = np.asarray(image)
+    grey = torch.from_numpy((values >> 8).astype(np.uint8))[None]
+    transparent = image.info.get("transparency")
+    if mode in ("RGB", "L") or not isinstance(transparent, int):
+        return convert_channels(grey, mode)
+    alpha = torch.from_numpy(np.where(values == transparent, 0, 255).astype(np.uint8))[None]
+    return convert_channels(torch.cat([grey, alpha]), mode)
 
 
 def _decode_jpeg_draft(
@@ -292,10 +281,13 @@ def _decode_jpeg_draft(
     target = output_size(*dimensions, size)
     if dimensions[0] // target[0] < 2 or dimensions[1] // target[1] < 2:
         return None
-    with Image.open(io.BytesIO(encoded.numpy().data)) as image:
-        image.draft("L" if mode in ("L", "LA") else "RGB", (target[1], target[0]))
-        pixels = image if image.mode == mode else image.convert(mode)
-        return pil_to_tensor(pixels), target
+    try:
+        with Image.open(io.BytesIO(encoded.numpy().data)) as image:
+            image.draft("L" if mode in ("L", "LA") else "RGB", (target[1], target[0]))
+            pixels = image if image.mode == mode else image.convert(mode)
+            return pil_to_tensor(pixels), target
+    except (OSError, SyntaxError) as err:  # cut short or damaged past its header
+        raise _undecodable(encoded, err) from err
 
 
 __all__ = [
