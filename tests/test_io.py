@@ -591,9 +591,23 @@ def test_random_resized_crop_flips_half_the_time_and_checks_its_arguments():
         torch.equal(out, outs[0].flip(-1)) and not torch.equal(out, outs[0]) for out in outs
     )
     assert 70 <= flipped <= 130 and outs[0].shape == (3, 32, 48)
-    for bad in [dict(size=0), dict(flip=1.5), dict(scale=(0.5, 0.1)), dict(ratio=(0, 1))]:
-        with pytest.raises(ValueError):
+    bad_arguments = {
+        "size must be positive": dict(size=0),
+        "size must be a number or a sequence of one or two": dict(size=(1, 2, 3)),
+        "flip is a probability": dict(flip=1.5),
+        "increasing positive pairs": dict(scale=(0.5, 0.1)),
+        "pairs \\(min, max\\)": dict(scale=(0.5,)),
+        "mode must be one of": dict(mode="CMYK"),
+    }
+    for message, bad in bad_arguments.items():
+        with pytest.raises(ValueError, match=message):
             RandomResizedCrop(**{"size": 224, **bad})
+
+
+@pytest.mark.parametrize("size", [24, 24.0, (24,), [24], (24, 24), [24, 24]])
+def test_random_resized_crop_takes_sizes_as_torchvision_does(size):
+    assert tuple(TorchvisionRandomResizedCrop(size).size) == (24, 24)
+    assert RandomResizedCrop(size)(jpeg(60, 80)).shape == (3, 24, 24)
     with pytest.raises(ValueError, match="cannot decode image"):
         RandomResizedCrop(224)(b"\xff\xd8\xff\xe0 not a JPEG after its magic")
 

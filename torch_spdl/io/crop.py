@@ -27,9 +27,11 @@ scale; that needs Pillow's draft mode, whose Python holds the GIL: use
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from .device_decode import Box, EncodedImage, gpu_decode_unavailable
 from .image import (
+    _CHANNELS,
     _JPEG_MAGIC,
     _PNG_MAGIC,
     ImageData,
@@ -90,8 +93,24 @@ def _box_from(
 
 
 def _check(scale: Sequence[float], ratio: Sequence[float]) -> None:
+    if len(scale) != 2 or len(ratio) != 2:
+        raise ValueError(f"scale and ratio must be pairs (min, max): {scale}, {ratio}")
     if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
         raise ValueError(f"scale and ratio must be increasing positive pairs: {scale}, {ratio}")
+
+
+def crop_size(size: Any) -> tuple[int, int]:
+    """``(height, width)`` from a size as torchvision's ``RandomResizedCrop`` takes it: a number,
+    or a sequence of one or two (a square's side, or the height and width)."""
+    if isinstance(size, numbers.Number):
+        pair = (int(size), int(size))  # type: ignore[call-overload]
+    elif isinstance(size, Sequence) and len(size) in (1, 2):
+        pair = (int(size[0]), int(size[-1]))
+    else:
+        raise ValueError(f"size must be a number or a sequence of one or two, got {size!r}")
+    if min(pair) <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return pair
 
 
 def _centre_crop(height: int, width: int, ratio: Sequence[float]) -> Box:
@@ -167,9 +186,9 @@ class RandomResizedCrop:
         decode_on: torch.device | str | None = None,
         region: bool = True,
     ) -> None:
-        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-        if min(self.size) <= 0:
-            raise ValueError(f"size must be positive, got {size!r}")
+        self.size = crop_size(size)
+        if mode not in _CHANNELS:
+            raise ValueError(f"mode must be one of {sorted(_CHANNELS)}, got {mode!r}")
         if not 0.0 <= flip <= 1.0:
             raise ValueError(f"flip is a probability, got {flip}")
         self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), flip
