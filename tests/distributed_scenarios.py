@@ -178,6 +178,13 @@ def scenarios() -> dict:
 
     opted_out = DataLoader(Indices(20), batch_size=5, shuffle=True, distributed=False)
     out["opted_out"] = {**facts(opted_out), "epochs": epochs(opted_out, 1)}
+    # `distributed` assigned after construction decides the next pass, either way
+    opted_in = DataLoader(Indices(20), batch_size=5, distributed=False)
+    opted_in.distributed = True
+    opting_out = DataLoader(Indices(20), batch_size=5)
+    sharded = epochs(opting_out, 1)
+    opting_out.distributed = False
+    out["assigned"] = {"in": epochs(opted_in, 1), "out": [sharded, epochs(opting_out, 1)]}
 
     stream = DataLoader(Stream(41), batch_size=4, num_workers=2)
     out["iterable"] = {**facts(stream), "epochs": epochs(stream, 2)}

@@ -136,6 +136,14 @@ def test_distributed_false_keeps_torchs_behaviour(ranks):
         assert sorted(flat(result["opted_out"]["epochs"][0])) == list(range(20))
 
 
+def test_distributed_assigned_after_construction_decides_the_next_pass(ranks):
+    shards = reference(20, epoch=0, seed=0, shuffle=False)
+    for rank, result in enumerate(ranks):
+        assert flat(result["assigned"]["in"][0]) == shards[rank]
+        sharded, whole = result["assigned"]["out"]
+        assert flat(sharded[0]) == shards[rank] and flat(whole[0]) == list(range(20))
+
+
 def test_worker_processes_know_the_rank_as_torchs_forked_workers_do(ranks):
     """A dataset that asks torch.distributed for the rank in ``__getitem__`` or shards its own
     stream by rank in ``__iter__`` reads in worker processes as in torch's."""

@@ -8,6 +8,7 @@ type and its ``str()`` must be the same. The extras (``io_workers``, ``load_fn``
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import typing
 import warnings
@@ -392,6 +393,18 @@ def test_io_workers_must_be_a_positive_int(value, num_workers):
     with pytest.raises(ValueError, match="io_workers") as info:
         torch_spdl.DataLoader(MAP, num_workers=num_workers, io_workers=value)
     assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["distributed", "preload"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_boolean_extras_refuse_other_values_as_torch_refuses_drop_last(name, value):
+    """A config file's ``"false"`` would be truthy: refused, as torch's ``drop_last`` is."""
+    want = f"{name} option should be a boolean value, but got {name}={value!r}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        torch_spdl.DataLoader(MAP, **{name: value})
+    loader = torch_spdl.DataLoader(MAP)
+    with pytest.raises(ValueError, match=re.escape(want)):
+        setattr(loader, name, value)
 
 
 @pytest.mark.parametrize("value", [1, 3, 64])

@@ -209,7 +209,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._show_samplers()
         # Only the sampler torch built from `shuffle` is ours to shard; a user's sampler or batch
         # sampler (a DistributedSampler, or the one Lightning passes in) is never wrapped again.
-        self._shards_itself = distributed and builds_own
+        # Whether it is sharded follows `distributed`, assigned after construction too.
+        self._shards_itself = builds_own
+        self._torch_samplers = self._own_samplers
         self._requested_epoch: int | None = None
         self._pass: pass_record.PassRecord | None = None  # the latest pass, for state_dict()
         self._resume: pass_record.Pending | None = None  # a loaded state, for the next iterator
@@ -394,9 +396,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         dataset is split by rank already (:func:`~torch_spdl.sampling.shards_map_style`).
 
         Called at construction and again by ``len()``, ``iter()`` and ``set_epoch``, so a process
-        group started after the loader was built is picked up before the first pass.
+        group started after the loader was built, or ``distributed`` assigned, is picked up
+        before the next pass.
         """
-        if not self._shards_itself or isinstance(self._own_samplers[0], AutoEpochSampler):
+        if not self._shards_itself:
+            return
+        if not self.distributed:  # assigned False after it sharded: torch's samplers again
+            self._own_samplers = self._torch_samplers
+            return
+        if isinstance(self._own_samplers[0], AutoEpochSampler):
             return
         ranks = world()
         if ranks is None:

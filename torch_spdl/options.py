@@ -56,6 +56,12 @@ class Options:
                 raise ValueError(
                     f"{name} option should be a positive integer, got {getattr(self, name)!r}"
                 )
+        for name in ("distributed", "preload"):  # as torch's BatchSampler checks drop_last
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{name} option should be a boolean value, but got {name}={value!r}"
+                )
         if self.uneven_ranks is not None and self.uneven_ranks not in UNEVEN_RANKS:
             raise ValueError(
                 f"uneven_ranks option should be 'pad', 'drop' or None, got {self.uneven_ranks!r}"
