@@ -186,6 +186,7 @@ def test_iterable_stream_is_split_across_ranks_and_workers_into_equal_parts(rank
     assert len(dropped[0]) == len(dropped[1]) == 20 and not set(dropped[0]) & set(dropped[1])
     assert sorted(dropped[0] + dropped[1]) == list(range(40))  # worker 0's last round dropped
     assert [result["iterable"]["len"] for result in ranks] == [6, 6]  # ceil(ceil(41/2)/4)
+    assert [result["iterable_drop"]["len"] for result in ranks] == [5, 5]  # ceil(floor(41/2)/4)
 
 
 def test_persistent_iterator_from_before_the_group_is_sharded_afterwards(ranks):

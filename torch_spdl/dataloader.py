@@ -491,7 +491,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ranks = self._rank_split()
         if ranks is None:
             return super().__len__()
-        samples = -(-len(cast(Sized, self.dataset)) // ranks[1])  # this rank's share, at most
+        total, world_size = len(cast(Sized, self.dataset)), ranks[1]
+        # this rank's share: rounds dropped, or padded to whole ones (each worker's own)
+        samples = total // world_size if self._uneven() == "drop" else -(-total // world_size)
         self._IterableDataset_len_called = samples  # type: ignore[assignment]  # torch: None
         if self.batch_size is None:
             return samples
