@@ -15,6 +15,7 @@ import torch
 
 import torch_spdl
 from torch_spdl.pipeline import Gate, PipelineBuilder
+from torch_spdl.pipeline.sources import SharedSource, WorkerSource
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -234,9 +235,17 @@ def test_get_iterator_times_out_and_get_item_says_eof():
             next(pipeline.get_iterator(timeout=0.05))
         gate.set()
         assert list(pipeline.get_iterator(timeout=30)) == [0, 1]
-        with pytest.raises(EOFError):
+        with pytest.raises(EOFError, match="delivered every item"):
             pipeline.get_item()
     assert pipeline.closed
+
+
+def test_get_item_after_a_close_mid_pass_says_so():
+    pipeline = build(range(100), pipe(abs))
+    assert pipeline.get_item(timeout=30) == 0
+    pipeline.close()
+    with pytest.raises(EOFError, match="closed before the end of its pass"):
+        pipeline.get_item()
     with pytest.raises(RuntimeError, match="stopped"):
         pipeline.start()
 
@@ -290,6 +299,10 @@ def source():
         (lambda: source().aggregate(0), ValueError, "num_items"),
         (lambda: source().add_sink(0), ValueError, "buffer_size"),
         (lambda: source().add_sink().build(num_threads=0), ValueError, "num_threads"),
+        (lambda: source().add_sink().build(buffer_size=0), ValueError, "buffer_size"),
+        (lambda: source().add_sink().build(buffer_size=-2), ValueError, "buffer_size"),
+        (lambda: SharedSource([1], max_in_flight=0), ValueError, "max_in_flight"),
+        (lambda: WorkerSource(lambda _: [1], 1, max_in_flight=0), ValueError, "max_in_flight"),
         (lambda: source().add_sink().build(worker_nice=20), ValueError, "worker_nice"),
         (lambda: source().aggregate(2).add_sink().build(persistent=True), ValueError, "single"),
     ],

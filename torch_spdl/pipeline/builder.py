@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..priority import DEFAULT_WORKER_NICE, check_worker_nice
-from .channel import Gate
+from .channel import Gate, check_count
 from .pipeline import Pipeline, Step
 from .regroup import Regroup, aggregate, disaggregate
 from .sources import SharedSource, WorkerSource
@@ -81,7 +81,7 @@ class Pipe:
     gate: Gate | None = None
 
     def __post_init__(self) -> None:
-        _check_count(f"pipe {self.name!r}: concurrency", self.concurrency)
+        check_count(f"pipe {self.name!r}: concurrency", self.concurrency)
         if self.gate is not None and (self.is_async or self.executor not in (None, "thread")):
             raise ValueError(f"pipe {self.name!r}: a gate needs a synchronous op on threads")
         if self.output_order not in ORDERS:
@@ -185,7 +185,7 @@ class PipelineBuilder:
     def aggregate(self, num_items: int, /, *, drop_last: bool = False) -> PipelineBuilder:
         """Lists of ``num_items`` consecutive items; the last one shorter unless ``drop_last``."""
         self._check_open()
-        _check_count("aggregate: num_items", num_items)
+        check_count("aggregate: num_items", num_items)
         name = f"aggregate({num_items})"
         self._steps.append(_Regroup(name, aggregate(num_items, drop_last)))
         return self
@@ -209,7 +209,7 @@ class PipelineBuilder:
         default as many as between stages: ``build(buffer_size=)``)."""
         self._check_open()
         if buffer_size is not None:
-            _check_count("add_sink: buffer_size", buffer_size)
+            check_count("add_sink: buffer_size", buffer_size)
         self._sink_size, self._has_sink = buffer_size, True
         return self
 
@@ -234,7 +234,7 @@ class PipelineBuilder:
         if self._source is None or not self._has_sink:
             raise ValueError("a pipeline needs add_source() and add_sink() before build()")
         if num_threads is not None:
-            _check_count("build: num_threads", num_threads)
+            check_count("build: num_threads", num_threads)
         check_worker_nice(worker_nice)
         pools: list[Any] = []
         try:
@@ -312,8 +312,3 @@ async def _collect_async(op: Callable[[Any], AsyncIterable[Any]], item: Any) -> 
 
 def _submit(executor: concurrent.futures.Executor, op: Callable[[Any], Any], item: Any) -> Any:
     return executor.submit(op, item).result()
-
-
-def _check_count(what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")

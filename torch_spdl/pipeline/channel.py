@@ -29,7 +29,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -40,6 +40,13 @@ def _wait_slice() -> float | None:
     """How long this thread waits in one go for what has no deadline (see the module's
     docstring): a worker thread until it is woken."""
     return SIGNAL_CHECK_S if threading.current_thread() is threading.main_thread() else None
+
+
+def check_count(what: str, value: Any) -> None:
+    """A capacity, a thread count or a group size: a positive int (a bool is not one), else a
+    ValueError naming ``what``; zero would leave a pipeline waiting for room it never gets."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 
 class Stopped(Exception):

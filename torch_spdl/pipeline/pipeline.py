@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from ..inherited import in_thread
 from .ahead import SendsAhead, ahead_loop
-from .channel import Channel, Slots, Stopped, StopSignal
+from .channel import Channel, Slots, Stopped, StopSignal, check_count
 from .items import Failure
 from .ordering import EpochEnd, Sink
 from .regroup import Regroup
@@ -365,6 +365,9 @@ class Pipeline(Generic[T]):
         sink_size: int | None = None,
         name: str | None = None,
     ) -> None:
+        check_count("Pipeline: buffer_size", buffer_size)
+        if sink_size is not None:
+            check_count("Pipeline: sink_size", sink_size)
         self._regroups = any(isinstance(stage, Regroup) for stage in stages)
         if persistent and self._regroups:
             raise ValueError("a pipeline that aggregates or disaggregates runs a single pass")
@@ -376,6 +379,7 @@ class Pipeline(Generic[T]):
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._runtime.start_epoch(None)
         self._running = True
+        self._ended = False  # the pass came to its end (not stopped before it)
 
     def __iter__(self) -> Pipeline[T]:
         return self
@@ -390,7 +394,7 @@ class Pipeline(Generic[T]):
         try:
             value = self._runtime.next(timeout)
         except EpochEnd:
-            self._running = False
+            self._running, self._ended = False, True
             if not self.persistent:
                 self.close()
             raise StopIteration from None
@@ -419,7 +423,7 @@ class Pipeline(Generic[T]):
         if self._regroups:
             raise RuntimeError("a pipeline that aggregates or disaggregates runs a single pass")
         self._runtime.start_epoch(source)
-        self._running = True
+        self._running, self._ended = True, False
 
     # -- SPDL's names ------------------------------------------------------------------------------
     def get_item(self, timeout: float | None = None) -> T:
@@ -428,7 +432,9 @@ class Pipeline(Generic[T]):
         try:
             return self.get(timeout)
         except StopIteration:
-            raise EOFError("the pipeline has delivered every item") from None
+            if self._ended:
+                raise EOFError("the pipeline has delivered every item") from None
+            raise EOFError("the pipeline was closed before the end of its pass") from None
 
     def get_iterator(self, timeout: float | None = None) -> Iterator[T]:
         """The rest of the pass, each item waited for at most ``timeout`` seconds."""

@@ -8,7 +8,7 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from .channel import Closed, Doorbell, Stopped, StopSignal
+from .channel import Closed, Doorbell, Stopped, StopSignal, check_count
 from .items import End, Failure
 
 
@@ -35,6 +35,8 @@ class SharedSource:
         max_in_flight: int | None = None,
         quick: bool = False,
     ) -> None:
+        if max_in_flight is not None:
+            check_count("SharedSource: max_in_flight", max_in_flight)
         self.iterable = iterable
         self.numbered = numbered
         self.max_in_flight = max_in_flight
@@ -61,6 +63,8 @@ class WorkerSource:
     ) -> None:
         if workers < 1:
             raise ValueError(f"WorkerSource needs at least one worker, got {workers}")
+        if max_in_flight is not None:
+            check_count("WorkerSource: max_in_flight", max_in_flight)
         self.fn = fn
         self.workers = workers
         self.max_in_flight = max_in_flight
