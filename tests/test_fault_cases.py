@@ -402,44 +402,42 @@ def test_stall_warning_says_why_and_the_loader_goes_on():
     assert "in wait_in_user_code" in text
 
 
-def test_a_thread_stuck_in_user_code_at_close_is_named_and_left_to_finish(monkeypatch):
-    """A thread cannot be stopped from outside: the close waits for it a while, then leaves it
-    and says which it is, the dataset indices it is on and where it waits."""
+@pytest.fixture
+def stuck(monkeypatch):
+    """An iterator whose worker thread waits in user code on dataset index 3 (after 0-2 were
+    taken) until the gate is set, and a close that waits 0.2 s for it; the thread ends after."""
     monkeypatch.setattr(pipeline_module, "JOIN_TIMEOUT", 0.2)
     gate = threading.Event()
     loader = DataLoader(WaitsAt(gate), batch_size=1, num_workers=2, worker_method="thread")
     iterator = iter(loader)
     assert [int(next(iterator)) for _ in range(3)] == [0, 1, 2]
+    yield iterator
+    (thread,) = [thread for thread in threading.enumerate() if ":fetch:" in thread.name]
+    gate.set()  # it finishes its sample, sees the stop and ends: no thread is left
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    iterator.close()
+
+
+def test_a_thread_stuck_in_user_code_at_close_is_named_and_left_to_finish(stuck):
+    """A thread cannot be stopped from outside: the close waits for it a while, then leaves it
+    and says which it is, the dataset indices it is on and where it waits."""
     with pytest.warns(ThreadLeftWarning) as record:
-        iterator.close()
+        stuck.close()
     (warning,) = record
     text = str(warning.message)
     assert "1 thread did not stop within 0.2 s of its close" in text, text
     assert re.search(r":fetch:\d: stage 'fetch', worker thread \d: dataset indices \[3\]", text)
     assert "in wait_in_user_code" in text
-    (stuck,) = [thread for thread in threading.enumerate() if ":fetch:" in thread.name]
-    gate.set()  # it finishes its sample, sees the stop and ends: no thread is left
-    stuck.join(TIMEOUT)
-    assert not stuck.is_alive()
 
 
-def test_a_thread_stuck_at_exit_is_waited_for_and_named_once(monkeypatch):
+def test_a_thread_stuck_at_exit_is_waited_for_and_named_once(stuck):
     """At exit the exit hook closes every pipeline and then each pipeline's finaliser runs:
     the wait for a stuck thread is JOIN_TIMEOUT in all, with one warning."""
-    monkeypatch.setattr(pipeline_module, "JOIN_TIMEOUT", 0.2)
-    gate = threading.Event()
-    loader = DataLoader(WaitsAt(gate), batch_size=1, num_workers=2, worker_method="thread")
-    iterator = iter(loader)
-    assert [int(next(iterator)) for _ in range(3)] == [0, 1, 2]
     with pytest.warns(ThreadLeftWarning) as record:
         pipeline_module._close_all_at_exit()
-        iterator._pipeline._finalizer()  # as atexit runs it, after threading's exit hooks
+        stuck._pipeline._finalizer()  # as atexit runs it, after threading's exit hooks
     assert len(record) == 1
-    (stuck,) = [thread for thread in threading.enumerate() if ":fetch:" in thread.name]
-    gate.set()
-    stuck.join(TIMEOUT)
-    assert not stuck.is_alive()
-    iterator.close()
 
 
 def test_threads_that_stop_at_close_raise_no_warning():
