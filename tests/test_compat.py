@@ -514,3 +514,15 @@ print([str(w.message).split(";")[0] for w in caught])
     assert (
         "could not make torch" in out[1] and "get_worker_info() answer per worker thread" in out[1]
     )
+
+
+@pytest.mark.parametrize(("version", "operator"), [((2, 8), ">"), ((2, 10), "<=")])
+def test_prefetch_factor_is_refused_by_the_comparison_of_torchs_release(
+    monkeypatch, version, operator
+):
+    """A factor of None fails torch's own check with its comparison's TypeError, which moved from
+    ``assert factor > 0`` to ``if factor <= 0`` in torch 2.10."""
+    monkeypatch.setattr(compat, "TORCH_VERSION", version)
+    assert compat.refuses_prefetch_factor(0) and not compat.refuses_prefetch_factor(2)
+    with pytest.raises(TypeError, match=f"'{operator}' not supported"):
+        compat.refuses_prefetch_factor(None)

@@ -336,6 +336,12 @@ def iterator_error(message: str) -> AssertionError:
     return AssertionError(message) if TORCH_VERSION >= (2, 10) else AssertionError()
 
 
+def refuses_prefetch_factor(factor: Any) -> bool:
+    """torch's iterator's check of ``prefetch_factor``, by its own comparison, whose TypeError a
+    factor of None raises: ``factor <= 0`` from torch 2.10, ``assert factor > 0`` before."""
+    return bool(factor <= 0) if TORCH_VERSION >= (2, 10) else not factor > 0
+
+
 def is_iterable(dataset: Any) -> bool:
     """Whether torch's loader treats ``dataset`` as a stream (its ``_DatasetKind.Iterable``)."""
     return isinstance(dataset, IterableDataset)

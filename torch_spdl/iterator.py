@@ -50,6 +50,7 @@ from .compat import (
     iterator_error,
     pin_memory,
     profiler_enabled,
+    refuses_prefetch_factor,
 )
 from .copies import InTurns, ThreadCopies, Turns, on_copies
 from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
@@ -834,7 +835,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         factor: Any = loader.prefetch_factor  # whatever was assigned: torch's checks judge it
         self._prefetch_factor = factor
         self._in_order = loader.in_order
-        if factor <= 0:
+        if refuses_prefetch_factor(factor):
             raise iterator_error(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
             )
