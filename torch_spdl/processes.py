@@ -309,12 +309,14 @@ class _Worker:
     sent: int = 0  # requests sent to it
 
     def send(self, message: bytes) -> int:
-        """Send a request (the caller holds :attr:`lock`); its number, for :meth:`has_read`.
-        Raises BrokenPipeError or ConnectionResetError where the process has died."""
-        number = self.sent + 1
-        self.conn.send_bytes(message)
-        self.sent = number
-        return number
+        """Send a request (the caller holds :attr:`lock`); its number, for :meth:`has_read`. A
+        pipe broken by the process's death is not an error here: the wait for the reply finds
+        the death, and the request's number, which the process never read, says it did not
+        run."""
+        self.sent += 1
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.conn.send_bytes(message)
+        return self.sent
 
     def has_read(self, number: int) -> bool:
         """Whether the process read request ``number`` before it died. One it had not read did
@@ -654,12 +656,9 @@ class ProcessPool:
             # a copy's batch (:meth:`fetch_on`) may reach a process before the thread bound to
             # it has waited for its start: its word that it is set up must not pass for a reply
             self._await_ready(worker)
-            number = worker.sent + 1
+            number = worker.send(dumps(request))
             try:
-                number = worker.send(dumps(request))
                 return self._receive(worker)
-            except (BrokenPipeError, ConnectionResetError):
-                died: WorkerDied = worker.died()
             except WorkerDied as error:
                 died = error
             if not replaceable or (worker.has_read(number) and not isinstance(died, _ReplyLost)):
@@ -676,15 +675,13 @@ class ProcessPool:
     def _post(self, request: tuple[str, Any]) -> None:
         """Send ``request`` to this thread's process without waiting for the reply, which
         :meth:`_take` receives, replies in the order of their requests. A pipe broken by the
-        process's death is not an error here: the reply finds the death, and says it."""
+        process's death is not an error here (:meth:`_Worker.send`)."""
         message = dumps(request)  # a task that cannot be pickled fails before anything is sent
         worker = self._current()
         with worker.lock:
             self._check_open()
             self._await_ready(worker)
-            number = worker.sent + 1  # not read, if it cannot be sent
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                number = worker.send(message)
+            number = worker.send(message)
         self._local.sent.append(_Sent(request, number))
 
     def _take(self, bell: int | None) -> Any:
