@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from .device_decode import Box, EncodedImage, gpu_decode_unavailable
 from .image import (
-    _CHANNELS,
     _JPEG_MAGIC,
     _PNG_MAGIC,
     ImageData,
@@ -47,6 +46,7 @@ from .image import (
     _decode,
     _starts_with,
     byte_tensor,
+    check_mode,
     encoded_array,
 )
 from .jpeg import Encoded, as_array, check_jpeg, jpeg_dimensions
@@ -187,8 +187,7 @@ class RandomResizedCrop:
         region: bool = True,
     ) -> None:
         self.size = crop_size(size)
-        if mode not in _CHANNELS:
-            raise ValueError(f"mode must be one of {sorted(_CHANNELS)}, got {mode!r}")
+        check_mode(mode)
         if not 0.0 <= flip <= 1.0:
             raise ValueError(f"flip is a probability, got {flip}")
         self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), flip

@@ -121,8 +121,7 @@ def decode_image(
     ``bytes`` are copied once (a memcpy) into a writable buffer, since torch warns when wrapping a
     read-only one; ``bytearray``, a writable ``memoryview`` or a uint8 tensor are used in place.
     """
-    if mode not in _CHANNELS:
-        raise ValueError(f"mode must be one of {sorted(_CHANNELS)}, got {mode!r}")
+    check_mode(mode)
     encoded = byte_tensor(data)
     if draft and size is not None and _starts_with(encoded, _JPEG_MAGIC):
         drafted = _decode_jpeg_draft(encoded, mode, size)
@@ -130,6 +129,12 @@ def decode_image(
             return resize(drafted[0], drafted[1], antialias=antialias)
     image = _decode(encoded, mode)
     return image if size is None else resize(image, size, antialias=antialias)
+
+
+def check_mode(mode: Any) -> None:
+    """A ValueError unless ``mode`` is one of the channel layouts the decode gives."""
+    if mode not in _CHANNELS:
+        raise ValueError(f"mode must be one of {sorted(_CHANNELS)}, got {mode!r}")
 
 
 def byte_tensor(data: ImageData) -> torch.Tensor:
