@@ -699,9 +699,11 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     per image copied through the pipe (which a reader beside a busy training loop reads a
     chunk per GIL hand-off); it arrives equal, each image a view of that tensor."""
     torch.manual_seed(0)
-    data = varied_images() * 12  # over INLINE_BYTES together: smaller, they go by value
+    # over INLINE_BYTES together (smaller, they go by value); a PNG crosses decoded
+    data = [*varied_images() * 12, encode(Image.fromarray(photo(30, 40)), "PNG")]
     encoded = collate_images([RandomResizedCrop(48, decode_on="cpu")(d) for d in data])
-    assert sum(len(image.data) for image in encoded.images) > messages.INLINE_BYTES
+    assert encoded.images[-1].decoded and encoded.images[-1].data.shape == (3, 30, 40)
+    assert sum(image.data.numel() for image in encoded.images) > messages.INLINE_BYTES
     message = messages.dumps(encoded, reply=True)
     assert len(message) < 4096  # the bytes are not in the message
     received = pickle.loads(message)
@@ -710,14 +712,8 @@ def test_an_encoded_batch_crosses_to_another_process_as_one_shared_tensor():
     assert len(storages) == 1
     for got, sent in zip(received.images, encoded.images, strict=True):
         assert torch.equal(got.data, sent.data)
-        assert (got.box, got.flip, got.size, got.mode, got.device, got.jpeg) == (
-            sent.box,
-            sent.flip,
-            sent.size,
-            sent.mode,
-            sent.device,
-            sent.jpeg,
-        )
+        fields = ("box", "flip", "size", "mode", "device", "jpeg", "decoded")
+        assert [getattr(got, f) for f in fields] == [getattr(sent, f) for f in fields]
     assert torch.equal(received.decode(), encoded.decode())
 
 
@@ -807,6 +803,30 @@ def test_a_jpeg_the_decoder_would_refuse_fails_its_sample_in_preprocess():
     with pytest.raises(ValueError, match=unknown):
         list(cropped_loader(images, "cpu"))
     assert [len(b[1]) for b in cropped_loader(images, "cpu", max_failures=1)] == [3, 2]
+
+
+def damaged_png(seed: int = 0) -> bytes:
+    """A PNG whose compressed pixels start with zeros: its header reads, its pixels do not."""
+    data = bytearray(encode(Image.fromarray(photo(40, 50, seed)), "PNG"))
+    start = data.index(b"IDAT") + 4
+    data[start : start + 20] = bytes(20)
+    return bytes(data)
+
+
+@pytest.mark.usefixtures("no_leak")
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_a_damaged_png_fails_its_sample_in_preprocess(worker_method: str):
+    """The device decoders take JPEGs only, so another format is decoded where the crop is
+    drawn: a damaged PNG fails its own sample by dataset index, as on the CPU path, not the
+    batch in the transfer stage, and ``max_failures`` skips it."""
+    images = [encode(Image.fromarray(photo(40, 50, seed)), "PNG") for seed in range(6)]
+    images[3] = damaged_png()
+    options = {"worker_method": worker_method}
+    with pytest.raises(ValueError, match=r"(?s)stage 'preprocess' for dataset index 3"):
+        list(cropped_loader(images, "cpu", **options))
+    skipped = cropped_loader(images, "cpu", max_failures=1, **options)
+    labels = [b[1].tolist() for b in skipped]
+    assert labels == [[len(d) for d in images[:3]], [len(d) for d in images[4:]]]
 
 
 def test_the_jpeg_check_agrees_with_the_decoder_on_damaged_files():

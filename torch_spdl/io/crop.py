@@ -231,16 +231,33 @@ class RandomResizedCrop:
         box = _box_from(*size, self.scale, self.ratio, draws)
         flip = draws[-1] < self.flip
         if self._deferred():
-            jpeg = _starts_with(raw, _JPEG_MAGIC)
-            if jpeg:
-                check_jpeg(raw)  # a file that would fail the batch fails its sample here
-            assert self.decode_on is not None  # _deferred() says so
-            encoded = byte_tensor(data)
-            return EncodedImage(encoded, box, flip, self.size, self.mode, self.decode_on, jpeg)
+            return self._encoded(data, raw, image, size, box, flip)
         out = self._region(raw, size, box) if image is None else None
         if out is None:
-            out = self._whole(data, image, size, box)
+            out = resized_crop(
+                self._decoded(data, image, size), box, self.size, antialias=self.antialias
+            )
         return out.flip(-1) if flip else out
+
+    def _encoded(
+        self,
+        data: ImageData,
+        raw: np.ndarray,
+        image: torch.Tensor | None,
+        size: tuple[int, int],
+        box: Box,
+        flip: bool,
+    ) -> EncodedImage:
+        """The image for the transfer stage to decode, crop and flip. A JPEG's markers are
+        checked here, and another format (which the device decoders do not take) is decoded
+        here: a file that would fail the batch fails its own sample."""
+        assert self.decode_on is not None  # _deferred() says so
+        where = (self.size, self.mode, self.decode_on)
+        if _starts_with(raw, _JPEG_MAGIC):
+            check_jpeg(raw)
+            return EncodedImage(byte_tensor(data), box, flip, *where, jpeg=True)
+        pixels = self._decoded(data, image, size)
+        return EncodedImage(pixels, box, flip, *where, jpeg=False, decoded=True)
 
     def _region(self, raw: np.ndarray, size: tuple[int, int], box: Box) -> torch.Tensor | None:
         """The crop decoded alone (:mod:`torch_spdl.io.region`) and resized; None where that
@@ -251,17 +268,17 @@ class RandomResizedCrop:
         region = decode(raw, size, box)
         return None if region is None else _resized(region, self.size, self.antialias)
 
-    def _whole(
-        self, data: ImageData, image: torch.Tensor | None, size: tuple[int, int], box: Box
+    def _decoded(
+        self, data: ImageData, image: torch.Tensor | None, size: tuple[int, int]
     ) -> torch.Tensor:
-        """The whole image decoded (unless it already is), then cropped and resized."""
+        """The whole image decoded (unless it already is), the size its header gave."""
         if image is None:
             image = _decode(byte_tensor(data), self.mode)
         if tuple(image.shape[-2:]) != size:
             raise ValueError(
                 f"the image decodes to {tuple(image.shape[-2:])} pixels, but its header says {size}"
             )
-        return resized_crop(image, box, self.size, antialias=self.antialias)
+        return image
 
     def _decide(self) -> None:
         """Whether the decode can be deferred to ``decode_on``, asked once."""

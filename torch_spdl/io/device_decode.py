@@ -10,7 +10,7 @@ its own CUDA stream, overlapped with the model, into the uint8 ``N×C×size×siz
 path would have made:
 
 1. one batched decode of every JPEG (:func:`batch_decoder`: torchvision's nvJPEG op; other
-   formats are decoded on the CPU and copied);
+   formats arrive decoded, by the crop in ``preprocess``, and are copied);
 2. the images copied into padded batches, one per group of like sizes (:func:`size_groups`: one
    for a batch of ImageNet's common sizes, a few where it holds large photos), their last row
    and column repeated, so that no crop at an image's edge reads padding;
@@ -25,7 +25,8 @@ instead. ``decode_on="cpu"`` runs this very path on the CPU: a stand-in that tes
 machine without a GPU.
 
 A file libjpeg would refuse fails its sample in ``preprocess``, within ``max_failures``: the crop
-checks its markers there (:func:`~torch_spdl.io.jpeg.check_jpeg`). Where the batched decode still
+checks its markers there (:func:`~torch_spdl.io.jpeg.check_jpeg`), and decodes any other format
+there. Where the batched decode still
 fails (a JPEG nvJPEG does not support, or corrupt data inside a scan), each image is decoded alone
 to find which, and an image the device refuses is decoded on the CPU by libjpeg-turbo, as the CPU
 path would decode it, then copied over; the first such image is logged, once. Only an image the
@@ -69,6 +70,9 @@ class EncodedImage:
     # known, the transfer stage makes no torch call per image to find out (each lets the GIL
     # go, beside the training loop)
     jpeg: bool | None = None
+    # ``data`` holds the image's pixels (uint8 ``C×H×W``), decoded where the crop was drawn: a
+    # format the device decoders do not take, whose damaged files then fail their own sample
+    decoded: bool = False
 
 
 class EncodedBatch(FinishedOnDevice):
@@ -100,9 +104,17 @@ class EncodedBatch(FinishedOnDevice):
         """The batch decoded, cropped, resized and flipped on ``device`` (default: its own)."""
         device = torch.device(device) if device is not None else self.device
         images = self.images
-        decoded = decode_all(
-            [image.data for image in images], self.mode, device, [image.jpeg for image in images]
+        pending = [i for i, image in enumerate(images) if not image.decoded]
+        found = decode_all(
+            [images[i].data for i in pending],
+            self.mode,
+            device,
+            [images[i].jpeg for i in pending],
+            positions=pending,
         )
+        decoded = [image.data.to(device) if image.decoded else image.data for image in images]
+        for i, image in zip(pending, found, strict=True):
+            decoded[i] = image
         boxes, flips = [image.box for image in images], [image.flip for image in images]
         return crop_batch(decoded, boxes, self.size, flips)
 
@@ -121,22 +133,25 @@ class EncodedBatch(FinishedOnDevice):
         """Pickled as one tensor of every image's bytes, which a worker process sends in shared
         memory (one segment, unpickled without a copy), and the draws beside it: sent one by
         one, the images would be hundreds of small tensors copied through the pipe."""
-        lengths = [len(image.data) for image in self.images]
-        packed = torch.cat([image.data.view(-1) for image in self.images])
-        draws = [(image.box, image.flip, image.jpeg) for image in self.images]
+        lengths = [image.data.numel() for image in self.images]
+        packed = torch.cat([image.data.reshape(-1) for image in self.images])
+        draws = [
+            (image.box, image.flip, image.jpeg, tuple(image.data.shape) if image.decoded else None)
+            for image in self.images
+        ]
         return _unpacked, (packed, lengths, draws, self.size, self.mode, self.device)
 
 
 def _unpacked(
     packed: torch.Tensor,
     lengths: list[int],
-    draws: list[tuple[Box, bool, bool | None]],
+    draws: list[tuple[Box, bool, bool | None, tuple[int, ...] | None]],
     size: tuple[int, int],
     mode: Mode,
     device: torch.device,
 ) -> EncodedBatch:
     """The :class:`EncodedBatch` that :meth:`EncodedBatch.__reduce__` packed: each image's bytes
-    a view of ``packed``.
+    (or pixels, in their shape) a view of ``packed``.
 
     The views are slices, not ``packed.split(lengths)``: this runs in the main process, beside
     the training loop, and making and freeing a tensor can let the GIL go; a split's views
@@ -144,12 +159,25 @@ def _unpacked(
     ends = itertools.accumulate(lengths)
     batch = EncodedBatch(
         [
-            EncodedImage(packed[end - length : end], box, flip, size, mode, device, jpeg)
-            for end, length, (box, flip, jpeg) in zip(ends, lengths, draws, strict=True)
+            EncodedImage(
+                _viewed(packed[end - length : end], shape),
+                box,
+                flip,
+                size,
+                mode,
+                device,
+                jpeg,
+                decoded=shape is not None,
+            )
+            for end, length, (box, flip, jpeg, shape) in zip(ends, lengths, draws, strict=True)
         ]
     )
     batch._packed = packed  # finish_on gives it back if it came in a segment of its own
     return batch
+
+
+def _viewed(data: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    return data if shape is None else data.view(shape)
 
 
 def decode_all(
@@ -157,9 +185,15 @@ def decode_all(
     mode: Mode,
     device: torch.device,
     jpeg: Sequence[bool | None] | None = None,
+    positions: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Each image decoded to ``mode`` on ``device``: the JPEGs in one batched call. ``jpeg``
-    says which are JPEGs where known (:attr:`EncodedImage.jpeg`); the others are read."""
+    says which are JPEGs where known (:attr:`EncodedImage.jpeg`); the others are read.
+    ``positions`` are the images' places in their batch, which an error names (default: their
+    places in ``encoded``)."""
+    if not encoded:
+        return []
+    places = range(len(encoded)) if positions is None else positions
     read_mode = _TV_MODES[mode in ("L", "LA"), mode in ("RGBA", "LA")]
     decode = batch_decoder(device)
     known = [None] * len(encoded) if jpeg is None else jpeg
@@ -173,12 +207,12 @@ def decode_all(
         try:
             found = decode([encoded[i] for i in jpegs], read_mode, device)
         except RuntimeError:
-            found = [_decode_alone(encoded[i], mode, device, decode, i) for i in jpegs]
+            found = [_decode_alone(encoded[i], mode, device, decode, places[i]) for i in jpegs]
         for i, decoded in zip(jpegs, found, strict=True):
             images[i] = decoded
     # the rest: not JPEGs, a mode nvJPEG lacks, or no device decoder
     return [
-        _decode_alone(encoded[i], mode, device, None, i) if image is None else image
+        _decode_alone(encoded[i], mode, device, None, places[i]) if image is None else image
         for i, image in enumerate(images)
     ]
 
