@@ -1230,6 +1230,25 @@ def test_container_without_frame_count_is_counted():
     assert frame_ids(decode_video(mkv, num_frames=4, start=0.5)) == [12, 15, 19, 23]
 
 
+def test_a_stream_whose_seeks_land_past_the_target_loses_no_frames():
+    """MPEG-TS: the demuxer's seek lands on a packet after the target, or one that is not a
+    keyframe (nothing decodes from it), and the stream starts at a timestamp above 0 with no
+    frame count. The frames are those of the MP4 all the same, up to the last one."""
+    ts = encode_video("mpegts")
+    with av.open(io.BytesIO(ts)) as container:
+        stream = container.streams.video[0]
+        assert stream.frames == 0 and stream.start_time
+    assert frame_ids(decode_video(ts, num_frames=8)) == [0, 3, 6, 9, 13, 16, 19, 23]
+    assert frame_ids(decode_video(ts, num_frames=4, start=0.5)) == [12, 15, 19, 23]
+    assert frame_ids(decode_video(ts, num_frames=3, start=0.5, sampling="consecutive")) == [
+        12,
+        13,
+        14,
+    ]
+    last = (FRAMES - 1) / RATE
+    assert frame_ids(decode_video(ts, num_frames=2, start=last)) == [FRAMES - 1] * 2
+
+
 def test_decoder_threads_give_the_same_frames(video):
     single = decode_video(video, num_frames=6)
     assert torch.equal(decode_video(video, num_frames=6, threads=0), single)

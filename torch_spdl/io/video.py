@@ -123,8 +123,32 @@ def _start_pts(stream: av.VideoStream, start: float) -> int | None:
 
 
 def _seek(container: av.container.InputContainer, stream: av.VideoStream, pts: int | None) -> None:
-    """To the keyframe at or before ``pts`` (``None``: the stream's beginning)."""
-    container.seek((stream.start_time or 0) if pts is None else pts, stream=stream)
+    """To the keyframe at or before ``pts`` (``None``: the stream's beginning).
+
+    Some demuxers (MPEG-TS) land on a packet after the target, or on one that is not a
+    keyframe, from which nothing decodes until the next keyframe: frames would be skipped. The
+    seek then aims a second earlier, then twice as far each time, until the first packet it
+    reads is a keyframe at or before the target, or it aims a second before the stream."""
+    first = stream.start_time or 0
+    target = first if pts is None else pts
+    assert stream.time_base is not None  # as in _start_pts
+    second = max(1, round(1 / float(stream.time_base)))
+    back = 0
+    while True:
+        container.seek(target - back, stream=stream)
+        landed = _first_keyframe_pts(container, stream)
+        if (landed is not None and landed <= target) or target - back < first - second:
+            break
+        back = back * 2 or second
+    container.seek(target - back, stream=stream)  # again: reading the first packet moved on
+
+
+def _first_keyframe_pts(
+    container: av.container.InputContainer, stream: av.VideoStream
+) -> int | None:
+    """The next packet's timestamp if it is a keyframe's (``None``: it is not, or none is left)."""
+    packet = next((p for p in container.demux(stream) if p.pts is not None), None)
+    return packet.pts if packet is not None and packet.is_keyframe else None
 
 
 def _count_frames(
