@@ -871,6 +871,21 @@ def test_the_jpeg_check_agrees_with_the_decoder_on_damaged_files():
     assert len(passed_undecodable) <= 3, passed_undecodable
 
 
+@pytest.mark.parametrize("name", ["arithmetic.jpg", "arithmetic-progressive.jpg"])
+def test_arithmetic_coded_jpegs_pass_the_check(name: str):
+    """Arithmetic-coded JPEGs (tests/data, made by ``jpegtran -arithmetic``), which
+    libjpeg-turbo decodes, decode no scan with Huffman tables: the check takes them, and the
+    deferred path decodes them as the CPU path does."""
+    data = (Path(__file__).parent / "data" / name).read_bytes()
+    check_jpeg(tensor_of(data))
+    torch.manual_seed(0)
+    cpu = RandomResizedCrop(32)(data)
+    torch.manual_seed(0)
+    deferred = collate_images([RandomResizedCrop(32, decode_on="cpu")(data)]).decode()
+    assert deferred.shape == (1, *cpu.shape)
+    assert (deferred[0].float() - cpu.float()).abs().mean() < 4
+
+
 def test_the_jpeg_check_refuses_what_the_decoder_refuses():
     """Each refused file names its flaw, and libjpeg-turbo refuses it too; each accepted file
     decodes. So the check fails in preprocess exactly the files the batched decode would."""

@@ -41,6 +41,7 @@ import torch
 _SOI, _EOI, _SOS, _DHT, _DQT, _DRI, _DAC = 0xD8, 0xD9, 0xDA, 0xC4, 0xDB, 0xDD, 0xCC
 _FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC9, 0xCA, 0xCB})  # sequential, progressive, lossless
 _PROGRESSIVE = frozenset({0xC2, 0xCA})
+_ARITHMETIC = frozenset({0xC9, 0xCA, 0xCB})  # coded without Huffman tables
 _UNREAD = frozenset({0xC5, 0xC6, 0xC7, 0xC8, 0xCD, 0xCE, 0xCF})  # hierarchical, reserved: unread
 _STANDALONE = frozenset({*range(0xD0, 0xD8), 0x01})  # restarts and TEM: no length follows
 _KNOWN = frozenset({*range(0xC0, 0xDE), *range(0xE0, 0xF0), 0xFE, 0x01})
@@ -133,6 +134,7 @@ class _Defined:
 
     frame: dict[int, Component] | None = None  # by component id
     progressive: bool = False
+    arithmetic: bool = False
     quantisation: set[int] = field(default_factory=set)
     # (0 DC / 1 AC, index) -> why the table cannot decode (libjpeg checks it when a scan uses
     # it), or "" where it can
@@ -149,6 +151,7 @@ def _check(data: np.ndarray) -> None:
                 raise ValueError("has a second frame header")
             defined.frame = _frame(body)
             defined.progressive = marker in _PROGRESSIVE
+            defined.arithmetic = marker in _ARITHMETIC
         elif marker in _UNREAD:
             raise ValueError(f"has a frame type (marker 0xFF{marker:02X}) no decoder here reads")
         elif marker == _DHT:
@@ -339,6 +342,8 @@ def _scan(body: memoryview, defined: _Defined) -> None:
         if component.table not in defined.quantisation:
             raise ValueError(f"has no quantisation table {component.table} for its scan")
         blocks += component.h * component.v
+        if defined.arithmetic:
+            continue  # its tables are conditioning values, which libjpeg defaults
         for kind, index in _huffman_used(defined.progressive, first, high, dc, ac):
             _check_huffman(defined, kind, index)
     if count > 1 and blocks > MAX_BLOCKS_IN_MCU:
