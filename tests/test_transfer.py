@@ -6,6 +6,7 @@ The CUDA tests are marked ``cuda`` and skip cleanly where no GPU is present.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import copy
 import dataclasses
 import pickle
@@ -54,6 +55,35 @@ def test_map_tensors_keeps_every_container_type_and_leaf():
     assert out["default"].default_factory is list
     assert out["tuple"][1:] == ("s", b"b", 1.5)
     assert torch.equal(data["pair"].image, torch.ones(2))  # the input is not modified
+
+
+class Frames(collections.abc.Sequence):
+    """A user's read-only sequence, made from a list."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def test_map_tensors_walks_every_sequence_as_torchs_pin_memory_does():
+    """A deque (mutable) is copied and filled, another sequence made from the list; one that
+    cannot be made from a list becomes the list, as in torch's ``pin_memory``."""
+    queue = collections.deque([torch.ones(1), "s"], maxlen=5)
+    out = map_tensors(queue, lambda t: t + 1)
+    assert type(out) is collections.deque and out.maxlen == 5 and out[1] == "s"
+    assert torch.equal(out[0], torch.full((1,), 2.0)) and torch.equal(queue[0], torch.ones(1))
+    frames = map_tensors(Frames([torch.ones(1)]), lambda t: t + 1)
+    assert type(frames) is Frames and torch.equal(frames[0], torch.full((1,), 2.0))
+    unmakeable = type("Unmakeable", (Frames,), {"__init__": lambda self, a, b: None})
+    bare = object.__new__(unmakeable)
+    bare.items = [torch.ones(1)]
+    assert isinstance(map_tensors(bare, lambda t: t + 1), list)
+    assert map_tensors(range(3), lambda t: t + 1) == range(3)
 
 
 class Images(Dataset):
@@ -141,6 +171,14 @@ def test_device_transform_error_keeps_its_type_and_names_the_stage():
 def test_cuda_without_cuda_is_an_error_at_construction():
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         DataLoader(Images(), device="cuda")
+
+
+@pytest.mark.parametrize("backend", ["xpu", "mps"])
+def test_another_missing_backend_is_an_error_at_construction(backend: str):
+    if getattr(torch, backend).is_available():
+        pytest.skip(f"this machine has {backend}")
+    with pytest.raises(RuntimeError, match=f"device='{backend}'.*{backend} is not available"):
+        DataLoader(Images(), device=backend)
 
 
 @pytest.mark.parametrize(

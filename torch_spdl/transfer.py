@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -83,7 +83,25 @@ def map_tensors(data: Any, fn: Callable[[Any], Any], leaf: type = torch.Tensor) 
         if hasattr(data, "_fields"):  # namedtuple
             return type(data)(*items)
         return type(data)(items)
+    if isinstance(data, Sequence):  # a deque, a user's sequence: torch's pin_memory walks them
+        return _mapped_sequence(data, [map_tensors(item, fn, leaf) for item in data])
     return data
+
+
+def _mapped_sequence(data: Sequence[Any], items: list[Any]) -> Any:
+    """``data`` with ``items`` in its place, as torch's ``pin_memory`` rebuilds a sequence: a
+    mutable one copied and filled, another made from the list, or the list where it cannot be."""
+    if _same(items, data):
+        return data
+    if isinstance(data, MutableSequence):
+        copied = copy.copy(data)
+        for index, item in enumerate(items):
+            copied[index] = item
+        return copied
+    try:
+        return cast(Callable[[list[Any]], Any], type(data))(items)
+    except TypeError:
+        return items
 
 
 def _same(mapped: Iterable[Any], items: Iterable[Any]) -> bool:
@@ -95,9 +113,12 @@ def resolve_device(device: Any) -> torch.device | None:
     if device is None:
         return None
     resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    backend = getattr(torch, resolved.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    available = getattr(backend, "is_available", None)
+    if resolved.type not in ("cpu", "meta") and available is not None and not available():
+        name = "CUDA" if resolved.type == "cuda" else resolved.type
         raise RuntimeError(
-            f"device={device!r} was asked for, but CUDA is not available on this machine; "
+            f"device={device!r} was asked for, but {name} is not available on this machine; "
             "use device='cpu', or device=None to keep batches where collate_fn puts them"
         )
     return resolved
