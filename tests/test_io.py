@@ -595,13 +595,17 @@ def test_random_resized_crop_flips_half_the_time_and_checks_its_arguments():
         "size must be positive": dict(size=0),
         "size must be a number or a sequence of one or two": dict(size=(1, 2, 3)),
         "flip is a probability": dict(flip=1.5),
-        "increasing positive pairs": dict(scale=(0.5, 0.1)),
+        "increasing pairs": dict(scale=(0.5, 0.1)),
+        "ratio positive": dict(ratio=(0.0, 1.0)),
         "pairs \\(min, max\\)": dict(scale=(0.5,)),
         "mode must be one of": dict(mode="CMYK"),
     }
     for message, bad in bad_arguments.items():
         with pytest.raises(ValueError, match=message):
             RandomResizedCrop(**{"size": 224, **bad})
+    # torchvision takes a scale from 0: a draw of no area is tried again
+    assert TorchvisionRandomResizedCrop(8, scale=(0.0, 1.0)).scale == (0.0, 1.0)
+    assert RandomResizedCrop(8, scale=(0.0, 1.0))(data).shape == (3, 8, 8)
 
 
 @pytest.mark.parametrize("size", [24, 24.0, (24,), [24], (24, 24), [24, 24]])
@@ -1047,6 +1051,21 @@ def test_a_crop_sent_to_a_worker_keeps_the_senders_answer_on_the_gpu_decode(monk
         outs = [received(jpeg(60, 80, seed=i)) for i in range(2)]
     assert [type(out) for out in outs] == [EncodedImage] * 2
     assert asked == [torch.device("cuda")]  # asked once, by the sender
+
+
+def test_a_crop_sent_to_workers_says_once_why_it_decodes_on_the_cpu(monkeypatch):
+    """The sender says it as it sends the crop, not each worker process as it starts."""
+    from torch_spdl.io import crop as crop_module
+
+    monkeypatch.setattr(crop_module, "gpu_decode_unavailable", lambda device: "no GPU here")
+    crop = RandomResizedCrop(32, decode_on="cuda")
+    with pytest.warns(RuntimeWarning, match="no GPU here; images are decoded on the CPU"):
+        sent = pickle.dumps(crop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        received = [pickle.loads(sent) for _ in range(2)]
+        assert all(isinstance(r(jpeg(60, 80)), torch.Tensor) for r in received)
+        pickle.dumps(crop)
 
 
 @pytest.mark.cuda

@@ -95,8 +95,12 @@ def _box_from(
 def _check(scale: Sequence[float], ratio: Sequence[float]) -> None:
     if len(scale) != 2 or len(ratio) != 2:
         raise ValueError(f"scale and ratio must be pairs (min, max): {scale}, {ratio}")
-    if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
-        raise ValueError(f"scale and ratio must be increasing positive pairs: {scale}, {ratio}")
+    # torchvision takes a scale from 0 (a draw of no area is tried again); a ratio's log is taken
+    if not (0 <= scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
+        raise ValueError(
+            "scale and ratio must be increasing pairs, scale from 0 and ratio positive: "
+            f"{scale}, {ratio}"
+        )
 
 
 def crop_size(size: Any) -> tuple[int, int]:
@@ -203,8 +207,9 @@ class RandomResizedCrop:
     def __getstate__(self) -> dict:
         """Decided before it is sent: the decode happens in the sender's transfer stage, and a
         worker process may see no GPU (one forked from a process that initialised CUDA cannot
-        use it), which would turn a deferred decode into a CPU one in every worker."""
-        self._decide()
+        use it), which would turn a deferred decode into a CPU one in every worker. Where it
+        cannot be deferred, the sender says why, once, rather than each worker process."""
+        self._deferred()
         return self.__dict__.copy()
 
     def __setstate__(self, state: dict) -> None:
