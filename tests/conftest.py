@@ -188,14 +188,17 @@ def quick_switch(start_cost, fork_server_up):
 def decides(monkeypatch):
     """Make ``"auto"`` decide as the test says once its trial ends, whatever it measured: the
     switch's own behaviour, apart from what a busy test machine measures. Told why processes
-    cannot start, it stays on threads, as :func:`decide` does."""
+    cannot start, or that the stage cannot go inline, it stays on threads, as :func:`decide`
+    does."""
     from torch_spdl import auto, iterator
-    from torch_spdl.auto import PROCESS, THREAD, Decision
+    from torch_spdl.auto import INLINE, PROCESS, THREAD, Decision
 
     def set_executor(executor: str, deferred: bool = False) -> None:
-        def fixed(measured, no_processes=None, **_):
+        def fixed(measured, no_processes=None, inline_possible=True, **_):
             if executor == PROCESS and no_processes is not None:
                 return Decision(THREAD, f"the test decided, but {no_processes}", measured)
+            if executor == INLINE and not inline_possible:
+                return Decision(THREAD, "the test decided, but it cannot go inline", measured)
             return Decision(executor, "the test decided", measured, deferred)
 
         monkeypatch.setattr(iterator, "decide", fixed)

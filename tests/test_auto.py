@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -1405,17 +1406,56 @@ class Raises(Dataset):
         return index
 
 
-def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides):
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides, persistent):
+    """In the pass that moved inline and in the passes after it (which start inline): the
+    error reads as on the workers, whatever the pass."""
     decides(INLINE)
-    loader = torch_spdl.DataLoader(Raises(), batch_size=64, num_workers=2)
-    seen = 0
+    loader = torch_spdl.DataLoader(
+        Raises(), batch_size=64, num_workers=2, persistent_workers=persistent
+    )
     where = r"in stage 'fetch' for dataset index 150000 \(in the training loop's thread\)"
-    with pytest.raises(KeyError, match=where) as error:
-        for batch in loader:
-            seen += len(batch)
-    assert seen == 149_952
-    assert "chose inline" in loader.stats().executor, loader.stats().executor
-    del error
+    for _ in range(2):
+        seen = 0
+        with pytest.raises(KeyError, match=where) as error:
+            for batch in loader:
+                seen += len(batch)
+        assert seen == 149_952
+        assert "chose inline" in loader.stats().executor, loader.stats().executor
+        del error
+
+
+class Exits(Dataset):
+    def __len__(self) -> int:
+        return 200_000
+
+    def __getitem__(self, index: int) -> int:
+        if index == 150_000:
+            sys.exit(3)
+        return index
+
+
+def test_a_system_exit_in_an_inline_batch_fails_the_batch(no_leak, decides):
+    """With workers, SystemExit in ``__getitem__`` fails its batch as a RuntimeError (torch's
+    worker would die, and its loader raise one); "auto" moving the stage into the loop's thread
+    does not turn it into the end of the training script."""
+    decides(INLINE)
+    loader = torch_spdl.DataLoader(Exits(), batch_size=64, num_workers=2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"Caught SystemExit in stage 'fetch' for dataset"):
+            for _ in loader:
+                pass
+        assert "chose inline" in loader.stats().executor
+
+
+@pytest.mark.parametrize("watch", [{"timeout": 30}, {"stall_warning": 30}])
+def test_a_loader_with_a_deadline_does_not_go_inline(no_leak, decides, watch):
+    """Inline, nothing would watch the clock while the loop fetches: a loader given a
+    ``timeout`` or a ``stall_warning`` keeps its workers."""
+    decides(INLINE)
+    loader = torch_spdl.DataLoader(Indices(20_000), batch_size=64, num_workers=2, **watch)
+    assert sum(len(batch) for batch in loader) == 20_000
+    assert "cannot go inline" in loader.stats().executor, loader.stats().executor
 
 
 class Hashes(Dataset):

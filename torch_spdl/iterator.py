@@ -194,7 +194,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
 
     def _inline_fetcher(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
         """What fetches one batch in the calling thread, given it as a task (numbered by its
-        position in the pass, as the pipeline's are)."""
+        position in the pass, as the pipeline's are). Where ``"auto"`` sent the stage there
+        (``num_workers > 0``), its errors read as they do on the workers, in every pass."""
+        fetch = self._fetcher_here(loader)
+        return fetch if self._num_workers == 0 else deferred_to_loop(fetch)
+
+    def _fetcher_here(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
+        """:meth:`_inline_fetcher`'s fetch, as ``num_workers=0`` runs it."""
         hooks = self._plan.hooks
         if self._plan.shape == STREAMS:
             batches = iter(self._iterable_worker()(0))  # the batches a worker would make
@@ -350,9 +356,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._inline_from = None
         loader = self._loader()  # None in a loop over DataLoader(...): it holds the iterator only
         # a pass moves inline only without hooks; its errors read as they did before the move
-        fetch = self._plain_fetcher()
         plan = None if loader is None else loader._plan(self)
-        self._stop_threads(plan, lambda task: run_deferred(Deferred(fetch, task)))
+        self._stop_threads(plan, deferred_to_loop(self._plain_fetcher()))
 
     def _take_over(self) -> Pipeline[Any]:
         """The pipeline the pass moved to, once the first has given its last batch (or the
@@ -462,7 +467,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         pending = decided is not None and decided.executor == PROCESS
         # inline, the stage runs in no worker: not where it needs one (see the concluder)
         inits = loader.worker_init_fn is not None
-        inline_possible = name == "fetch" and self._transfer is None and not inits
+        # nor where a batch must come within a time (timeout=, stall_warning=): inline, nothing
+        # watches the clock while the loop fetches
+        watched = bool(self._timeout) or loader.stall_warning is not None
+        inline_possible = name == "fetch" and self._transfer is None and not inits and not watched
         trial = None
         if decided is None or pending:
             total = self._pass_tasks(tasks_per_batch)
@@ -913,14 +921,22 @@ _INLINE_NEXT = object()  # the pipeline's pass ended where the pass moved inline
 
 def run_deferred(deferred: Deferred) -> Any:
     """A fetch that ``"auto"`` left to the training loop's thread, run now; an error reads as the
-    stage's would (its type, the stage, the dataset indices), as in ``num_workers=0`` a
-    BaseException is raised as itself."""
+    stage's would on a worker (its type, the stage, the dataset indices), and a BaseException
+    (``SystemExit``) fails its batch as a RuntimeError, as on a worker, rather than end the
+    training loop. ``KeyboardInterrupt`` is raised as itself: here it is the user's Ctrl-C."""
     try:
         return deferred.run()
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
         task = deferred.task
         where_ = where("fetch", task.describe()) + " (in the training loop's thread)"
         Failure.capture(where_, task, "fetch").reraise()
+
+
+def deferred_to_loop(fetch: Callable[[FetchTask], Any]) -> Callable[[FetchTask], Any]:
+    """``fetch`` run as :func:`run_deferred` runs a task ``"auto"`` left to the loop."""
+    return lambda task: run_deferred(Deferred(fetch, task))
 
 
 def _a_batch(batch: Any) -> str:
