@@ -484,6 +484,67 @@ def test_stateful_sampler_state_is_restored_not_replayed(kind, num_workers, in_o
         assert_epoch(run(fresh), want[1], in_order)
 
 
+class EpochSampler(tud.Sampler[int]):
+    """torchdata's protocol as its own samplers keep it: the position in the pass, and the pass,
+    which moves on as the pass ends (so a state between passes says where the next begins)."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n, self.position, self.epoch = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.epoch)
+        order = torch.randperm(self.n, generator=generator).tolist()
+        while self.position < self.n:
+            self.position += 1
+            yield order[self.position - 1]
+        self.position, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position, self.epoch = state["position"], state["epoch"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("passes", [0, 1], ids=["before_the_first_pass", "after_a_pass"])
+def test_a_stateful_samplers_state_between_passes_loads(num_workers, passes):
+    """An end-of-epoch checkpoint (or one before the first): the fresh loader's next pass is
+    the one an uninterrupted run makes."""
+
+    def make(cls: Any) -> Any:
+        return cls(Indices(N), batch_size=4, sampler=EpochSampler(), num_workers=num_workers)
+
+    reference_loader = make(tud.DataLoader)
+    want = [run(reference_loader) for _ in range(passes + 2)]
+    loader = make(DataLoader)
+    for _ in range(passes):
+        run(loader)
+    state = loader.state_dict()
+    fresh = make(DataLoader)
+    fresh.load_state_dict(through_pickle(state))
+    assert [run(fresh), run(fresh)] == want[passes:]
+
+
+def test_a_state_loaded_beside_a_live_iterator_loses_no_batch():
+    """The earlier iterator's source thread still read ahead from the sampler whose state was
+    being loaded, and moved it on: the batches it drew were lost to the resumed pass."""
+    n = 10 * N  # batches enough that the source still reads ahead as the state loads
+    for _ in range(3):
+        loader = DataLoader(Indices(n), batch_size=2, sampler=EpochSampler(n), num_workers=2)
+        it = iter(loader)
+        taken = [plain(next(it)) for _ in range(2)]
+        state = loader.state_dict()
+        next(it)
+        loader.load_state_dict(state)
+        rest = run(loader)
+        assert sorted(i for batch in taken + rest for i in batch) == list(range(n))
+        del it
+
+
 def test_stateless_custom_batch_sampler_is_fast_forwarded():
     batches = [[3, 1], [0], [5, 4, 2], [9], [8, 7, 6]]
     loader = DataLoader(Indices(N), batch_sampler=batches, num_workers=2)

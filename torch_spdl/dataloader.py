@@ -465,6 +465,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         A state from torchdata's ``StatefulDataLoader`` is read where it maps
         (:mod:`torch_spdl.torchdata_state`)."""
         self._shard()
+        if self._pass is not None:  # an earlier iterator's source draws no more from the sampler
+            self._pass.settle()  # whose state this loads
         if torchdata_state.is_torchdata_state(state_dict):
             state_dict = torchdata_state.from_torchdata(self, state_dict)
         self._resume = resume.load_state(self, state_dict)

@@ -550,15 +550,16 @@ def _check_config(loader: Any, state: Any) -> None:
         _warn_if_out_of_order(state, here["rank"])
 
 
-def _load_sampler(target: Any, saved: dict[str, Any] | None) -> None:
+def _load_sampler(target: Any, saved: Any) -> None:
+    """Give a stateful sampler (or batch sampler) ``saved``, its own ``state_dict()``: a
+    snapshot's ``"state"`` mid-pass, the whole ``sampler_state`` between passes."""
     if (target is None) != (saved is None):
         raise ValueError(
             "this DataLoader state does not match the sampler: one of them has a "
             "state_dict()/load_state_dict() and the other not"
         )
     if target is not None:
-        assert saved is not None  # checked above: both or neither
-        target.load_state_dict(copy.deepcopy(saved["state"]))
+        target.load_state_dict(copy.deepcopy(saved))
 
 
 def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
@@ -572,7 +573,8 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
         raise ValueError(f"the state has batch numbers beyond this loader's {batches} batches")
     restore_epoch(loader._own_samplers[0], saved["epoch"])
     target = stateful_sampler(loader._index_sampler)
-    _load_sampler(target, saved["sampler_state"])
+    snapshot = saved["sampler_state"]  # where in the pass, and the sampler's state there
+    _load_sampler(target, None if snapshot is None else snapshot["state"])
     rng = saved["sampler_rng"]
     return Continuation(
         base_seed=int(saved["base_seed"]),
