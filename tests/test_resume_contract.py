@@ -843,6 +843,25 @@ def test_a_torchdata_checkpoint_resumes_the_rest_of_its_epoch(workers, seeded, s
     assert ours.state_dict()["version"] == 1  # and its own states from then on
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_torchdata_checkpoint_of_unbatched_samples_resumes(workers):
+    """batch_size=None: torchdata keeps the RandomSampler's state itself, not nested in a batch
+    sampler's."""
+
+    def make(cls: type) -> Any:
+        return cls(DATA, batch_size=None, shuffle=True, num_workers=workers)
+
+    torch.manual_seed(1)
+    want = list(make(StatefulDataLoader))
+    torch.manual_seed(1)
+    theirs = make(StatefulDataLoader)
+    iterator = iter(theirs)
+    head = [next(iterator) for _ in range(4)]
+    ours = make(DataLoader)
+    ours.load_state_dict(elsewhere(theirs.state_dict()))
+    assert head + list(ours) == want != sorted(want)
+
+
 def test_a_torchdata_checkpoint_between_epochs_starts_a_new_epoch():
     theirs = StatefulDataLoader(DATA, batch_size=3, shuffle=True)
     epoch(theirs)

@@ -80,7 +80,10 @@ def _sampler_rng(loader: Any, main: dict[str, Any]) -> tuple[str, bytes] | None:
     if main.get("_index_sampler_state") is not None:
         raise _refuse("its sampler has a state of its own (restore it through that sampler)")
     iterator_state = main.get("_sampler_iter_state") or {}
-    inner = iterator_state.get("sampler_iter_state")
+    # batched, the batch sampler's state nests its sampler's; with batch_size=None the index
+    # sampler is the RandomSampler itself
+    batched = loader.batch_size is not None
+    inner = iterator_state.get("sampler_iter_state") if batched else iterator_state or None
     shuffled = inner is not None and "generator" in inner
     sampler = resume.replayed_sampler(loader._index_sampler)
     if shuffled != (sampler is not None) or not loader._builds_own:
