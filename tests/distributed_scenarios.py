@@ -188,6 +188,10 @@ def scenarios() -> dict:
 
     stream = DataLoader(Stream(41), batch_size=4, num_workers=2)
     out["iterable"] = {**facts(stream), "epochs": epochs(stream, 2)}
+    it = iter(stream)
+    next(it)
+    out["iterable_state"] = stream.state_dict()  # this rank's part of the stream, one batch in
+    del it
     dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 

@@ -261,6 +261,18 @@ def test_a_state_from_two_ranks_resumes_in_one_process(ranks):
         assert sorted(following) == list(range(48))  # then whole epochs, as one process has
 
 
+def test_a_stream_state_from_two_ranks_is_refused_in_one_process(ranks):
+    """The loader splits an IterableDataset's stream by rank: a state saved on 2 ranks holds
+    each rank's place in its own part, which one process, reading the whole stream, would read
+    again or skip."""
+    for rank, result in enumerate(ranks):
+        state = result["iterable_state"]
+        assert (state["config"]["rank"], state["config"]["world_size"]) == (rank, WORLD)
+        single = DataLoader(distributed_scenarios.Stream(41), batch_size=4, num_workers=2)
+        with pytest.raises(ValueError, match=rf"rank: {rank} in the state, None here"):
+            single.load_state_dict(state)
+
+
 def test_a_single_process_state_resumes_on_two_ranks(ranks, tmp_path_factory):
     """1 -> 2: the single process took 3 batches (12 samples); the 2 ranks split the rest of
     its epoch between them, as a DistributedSampler splits an epoch, then go on as usual."""

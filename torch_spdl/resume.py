@@ -221,6 +221,9 @@ def describe(loader: Any) -> dict[str, Any]:
     iterable = is_iterable(loader.dataset)
     sampler, batch_sampler = loader._own_samplers  # what its iterator reads
     distributed = isinstance(sampler, DistributedSampler)
+    ranks = loader._rank_split()  # an IterableDataset's stream the loader splits by rank
+    if ranks is None and distributed:
+        ranks = (sampler.rank, sampler.num_replicas)
     return {
         "dataset": "iterable" if iterable else "map",
         "dataset_len": length_of(loader.dataset),
@@ -230,8 +233,8 @@ def describe(loader: Any) -> dict[str, Any]:
         "sampler": type(sampler).__name__,
         "batch_sampler": None if batch_sampler is None else type(batch_sampler).__name__,
         "generator": loader.generator is not None,
-        "rank": sampler.rank if distributed else None,
-        "world_size": sampler.num_replicas if distributed else None,
+        "rank": None if ranks is None else ranks[0],
+        "world_size": None if ranks is None else ranks[1],
     }
 
 
