@@ -53,8 +53,21 @@ def items(loader) -> collections.Counter:
     return collections.Counter(int(x) for batch in loader for x in torch.as_tensor(batch).view(-1))
 
 
+class DictSharingCopies(SelfIterating):
+    """Copied as Hugging Face's ``IterableDataset`` copies itself: ``__getstate__`` returns its
+    ``__dict__`` itself, which ``__setstate__`` assigns to the copy (so ``copy.copy`` alone
+    makes copies that share their attributes)."""
+
+    def __getstate__(self) -> dict:
+        return self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__ = state
+
+
 CASES = {
     "self-iterating": (lambda: SelfIterating(N), {}),
+    "dict-sharing copies": (lambda: DictSharingCopies(N), {}),
     "worker_init_fn": (SetByWorkerInit, {"worker_init_fn": split_range}),
     "datapipe": (datapipe, {}),
 }
@@ -72,6 +85,29 @@ def test_each_worker_iterates_its_own_copy_as_torchs_do(case, num_workers, metho
     for epoch in range(2):
         loader = torch_spdl.DataLoader(make(), worker_method=method, **options)
         assert items(loader) == want, f"epoch {epoch}"
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_hugging_face_iterable_dataset_resumes_exactly_on_threads(persistent):
+    """Each worker thread's copy records and restores its own shard position (they shared one
+    before: batches came back, or were lost, after a resume)."""
+    hf = pytest.importorskip("datasets")
+
+    def make() -> torch_spdl.DataLoader:
+        dataset = hf.Dataset.from_dict({"x": list(range(24))}).to_iterable_dataset(num_shards=4)
+        options = dict(batch_size=2, num_workers=2, persistent_workers=persistent)
+        return torch_spdl.DataLoader(dataset, worker_method="thread", **options)
+
+    whole = [batch["x"].tolist() for batch in make()]
+    for _ in range(3):
+        loader = make()
+        it = iter(loader)
+        head = [next(it)["x"].tolist() for _ in range(3)]
+        state = loader.state_dict()
+        del it
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert head + [batch["x"].tolist() for batch in resumed] == whole
 
 
 def test_the_users_dataset_object_is_left_as_it_was():

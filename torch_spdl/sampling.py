@@ -43,6 +43,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from .worker_state import own_copy
+
 UNEVEN_RANKS = ("pad", "drop")
 
 _DATAPIPE_GRAPH = threading.RLock()  # re-entrant: a worker_init_fn holding it may copy
@@ -335,7 +337,8 @@ class WorkerStreams:
     - **Its own copy** (``copies=True``, for worker threads; a worker process has its own
       already). torch's workers each iterate their own copy, so a dataset whose ``__iter__``
       returns ``self``, or keeps its position on ``self``, works there. A thread gets
-      ``copy.copy(dataset)``: attributes set on it are its own, while what they refer to (lists,
+      ``copy.copy(dataset)`` (:func:`~torch_spdl.worker_state.own_copy`): attributes set on it
+      are its own, while what they refer to (lists,
       arrays, file handles) is shared, not copied. A dataset controls this with ``__copy__``
       (returning ``self`` shares one object between the workers). An ``IterDataPipe`` graph keeps
       its iterators in its nodes, so it is deep-copied, as torch pickles it for each worker.
@@ -385,7 +388,7 @@ class WorkerStreams:
                     dataset, size * self._workers, worker * size + rank
                 )
             return dataset
-        return copy.copy(dataset) if self._copies else dataset
+        return own_copy(dataset) if self._copies else dataset
 
     def stream(self, worker: int) -> Any:
         """What worker ``worker`` iterates for an epoch."""

@@ -54,6 +54,18 @@ _DEAD = object()  # a value held weakly that is gone
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
+def own_copy(obj: Any) -> Any:
+    """``copy.copy(obj)`` with attributes of its own. A class whose ``__getstate__`` returns its
+    ``__dict__`` itself, and whose ``__setstate__`` assigns it (Hugging Face's
+    ``IterableDataset``), makes copies that share one ``__dict__``: what a worker thread set on
+    its copy, every copy would see."""
+    own = copy.copy(obj)
+    attributes = _attributes(own)
+    if own is not obj and attributes is not None and attributes is _attributes(obj):
+        own.__dict__ = dict(attributes)
+    return own
+
+
 def _attributes(obj: Any) -> dict[str, Any] | None:
     try:
         state = vars(obj)
@@ -331,7 +343,7 @@ class StateWatch:
         _, kept = self._state.get(id(obj), ("", {}))
         if not moved and not kept:
             return obj
-        own = copy.copy(obj)
+        own = own_copy(obj)
         own_state = _attributes(own)
         if own is obj or own_state is None:
             raise TypeError(
