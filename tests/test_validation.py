@@ -271,6 +271,36 @@ def test_attribute_guard_names_the_subclass(attr):
     assert got == f"{attr} attribute should not be set after MyLoader is initialized"
 
 
+def device_loader(base: type) -> type:
+    """A subclass as users write one for torch's loader: its own ``device`` attribute, set
+    before ``super().__init__()``, read by its own ``__iter__``."""
+
+    class DeviceLoader(base):
+        def __init__(self, dataset, device, **kwargs):
+            self.device = torch.device(device)
+            super().__init__(dataset, **kwargs)
+
+        def __iter__(self):
+            for batch in super().__iter__():
+                yield batch.to(self.device), self.device
+
+    return DeviceLoader
+
+
+def test_an_attribute_a_subclass_sets_before_init_stays_its_own():
+    """torch_spdl's option of that name takes the keyword's value (none here: no transfer of
+    its own), the attribute stays the subclass's, assigning it later is the subclass's
+    business too, and the subclass is told of the clash once."""
+    want = list(device_loader(tud.DataLoader)(MAP, "meta", batch_size=4))
+    with pytest.warns(UserWarning, match="DeviceLoader sets device before DataLoader.__init__"):
+        ours = device_loader(torch_spdl.DataLoader)(MAP, "meta", batch_size=4)
+    assert ours.device == torch.device("meta") and ours._options.device is None
+    got = list(ours)
+    assert [(b.shape, b.device, d) for b, d in got] == [(b.shape, b.device, d) for b, d in want]
+    ours.device = "not a device torch knows"  # the subclass's attribute: not validated
+    assert ours._options.device is None
+
+
 def test_worker_init_fn_can_be_set_after_init():
     calls = []
     lock = threading.Lock()

@@ -10,6 +10,7 @@ iterator (:mod:`torch_spdl.iterator`), which runs the plan on a
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Sized
 from typing import Any, TypeVar, cast
 
@@ -154,6 +155,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         stall_warning: float | None = None,
         snapshot_every_n_steps: int = 1,
     ) -> None:
+        own = _set_by_subclass(self)
         super().__init__(
             dataset,
             batch_size,
@@ -190,8 +192,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             stall_warning=stall_warning,
             snapshot_every_n_steps=snapshot_every_n_steps,
         )
-        # plain attributes too: code that rebuilds a loader from vars(loader) (Lightning) sees them
-        self.__dict__.update({name: getattr(self._options, name) for name in NAMES})
+        # plain attributes too: code that rebuilds a loader from vars(loader) (Lightning) sees
+        # them; not where a subclass set one of those names for itself (see _set_by_subclass)
+        self._own_names = frozenset(own)
+        self.__dict__.update(
+            {name: getattr(self._options, name) for name in NAMES if name not in own}
+        )
         self._hooks = resolve_hooks(self.dataset, load_fn, preprocess_fn)
         self._check_options()
         self._auto = AutoState()  # what worker_method="auto" decided, for the passes after
@@ -230,11 +236,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __setattr__(self, name: str, value: Any) -> None:
         """An option assigned after ``__init__`` is validated into a new :class:`Options` first
         (refused: nothing changes); torch's own guard handles its attributes."""
-        if name in NAMES and "_options" in self.__dict__:
+        if name in NAMES and "_options" in self.__dict__ and name not in self._own_names:
             self._set_option(name, value)
         super().__setattr__(name, value)
 
     def _set_option(self, name: str, value: Any) -> None:
+        """Validate ``value`` for option ``name`` into a new :class:`Options`: the loader reads
+        its options there, never from the attributes, which are a subclass's to set too."""
         if name in FIXED_AFTER_INIT:
             raise ValueError(
                 f"{name} attribute should not be set after {type(self).__name__} is initialized"
@@ -287,9 +295,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     # -- caching ----------------------------------------------------------------------------------
     def _make_cache(self) -> ByteLRU | None:
-        if self.cache_bytes is None and not self.preload:
+        if self._options.cache_bytes is None and not self._options.preload:
             return None
-        return ByteLRU(self.cache_bytes)
+        return ByteLRU(self._options.cache_bytes)
 
     def _state_watch(self) -> StateWatch:
         """What watches the dataset's first read from worker threads (:mod:`.worker_state`),
@@ -333,12 +341,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         hooks, cache = self._hooks, self._cache
         assert hooks is not None and cache is not None  # preload needs both (_check_options)
         load = hooks.load_from(thread_safe_view(self.dataset))
-        start = worker_starter(self.dataset, self.io_workers, 0, None)
+        start = worker_starter(self.dataset, self._options.io_workers, 0, None)
         indices = range(len(cast(Sized, self.dataset)))
         builder = PipelineBuilder().add_source(indices)
         builder.pipe(
             load,
-            concurrency=self.io_workers,
+            concurrency=self._options.io_workers,
             name="preload",
             output_order="input",
             describe=lambda i: f"dataset index {i}",
@@ -401,7 +409,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """
         if not self._shards_itself:
             return
-        if not self.distributed:  # assigned False after it sharded: torch's samplers again
+        if not self._options.distributed:  # assigned False after it sharded: torch's samplers again
             self._own_samplers = self._torch_samplers
             return
         if isinstance(self._own_samplers[0], AutoEpochSampler):
@@ -420,7 +428,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def _rank_split(self) -> tuple[int, int] | None:
         """``(rank, world_size)`` when an IterableDataset's stream must be split across ranks:
         not when it is split already (:func:`~torch_spdl.sampling.splits_by_rank`)."""
-        if self.distributed and is_iterable(self.dataset) and not splits_by_rank(self.dataset):
+        if (
+            self._options.distributed
+            and is_iterable(self.dataset)
+            and not splits_by_rank(self.dataset)
+        ):
             return world()
         return None
 
@@ -479,7 +491,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             gil.check()  # worker threads on a free-threaded Python that got its GIL back
         if self._cache is None:  # cache_bytes or preload may have been set after construction
             self._cache = self._make_cache()
-        if self.preload and not self._preloaded:
+        if self._options.preload and not self._preloaded:
             self._preload()
         self._shard()
         self._follow_shown_batches()
@@ -516,3 +528,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def check_worker_number_rationality(self) -> None:
         """torch warns when worker *processes* outnumber CPUs; threads waiting on I/O or running
         GIL-free code are cheap, so more threads than cores is a normal setting here."""
+
+
+def _set_by_subclass(loader: DataLoader) -> list[str]:
+    """The option names a subclass set on ``loader`` before ``DataLoader.__init__``, as torch's
+    loader lets it set any attribute (``self.device = ...`` for its own ``__iter__``): they stay
+    its own attributes, which the options (taken from the keywords) neither overwrite nor read;
+    it is told so once, since the name means something else to this loader."""
+    own = sorted(name for name in NAMES if name in vars(loader))
+    if own:
+        warnings.warn(
+            f"{type(loader).__name__} sets {', '.join(own)} before DataLoader.__init__: "
+            "torch_spdl.DataLoader has options of that name, which it takes from its keyword "
+            "arguments only; the attributes stay yours",
+            UserWarning,
+            stacklevel=3,
+        )
+    return own

@@ -117,12 +117,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._transfer = self._device_transfer(loader)
         # torch's workers hand over copies; worker threads, what collate_fn returned
         self._finish = finisher(self._collate_fn, self._pinner(), own=loader.num_workers > 0)
-        self._budget = FailureBudget(loader.max_failures)
+        self._budget = FailureBudget(loader._options.max_failures)
         self._clock = ConsumerClock()
         self.stats_probe = StatsProbe(self._clock, self._budget, plan)
         self._switch: Switch | None = None
-        self._report = PeriodicReport(loader.stats_interval, self.stats_probe.report)
-        self._stall_warning = loader.stall_warning
+        self._report = PeriodicReport(loader._options.stats_interval, self.stats_probe.report)
+        self._stall_warning = loader._options.stall_warning
         self._pool: ProcessPool | None = None
         self._turns: Turns | None = None  # a dataset with state: its copies' turns (copies.py)
         # the tasks of a pass, from the indices the sampler gives: set with the pipeline
@@ -137,12 +137,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             self.stats_probe.stages = self._pipeline.stage_stats
 
     def _device_transfer(self, loader: DataLoader) -> DeviceTransfer | None:
-        device = resolve_device(loader.device)
+        device = resolve_device(loader._options.device)
         if device is None:
             return None
         device = rank_device(device)
         stream = loader._side_streams.get(device)
-        return DeviceTransfer(device, loader.device_transform, stream)
+        return DeviceTransfer(device, loader._options.device_transform, stream)
 
     def _pinner(self) -> Callable[[Any], Any] | None:
         """How a finished batch is pinned, or None. Where torch would pin (pin_memory=True and an
@@ -386,7 +386,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             read = batch_fetcher(self._dataset, self._auto_collation, self._finish, self._budget)
             # worker threads read one object: what it sets on itself, they share (worker_state)
             watch = loader._state_watch()
-            fetch = watch.guard(read, serial=loader.worker_method == AUTO)
+            fetch = watch.guard(read, serial=loader._options.worker_method == AUTO)
             start = watch.guard_start(start)
         fn = fetch if pool is None else pool.stage("fetch")
         return self._cpu_stage(loader, fn, start, "fetch", tasks_per_batch=1)
@@ -469,7 +469,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         inits = loader.worker_init_fn is not None
         # nor where a batch must come within a time (timeout=, stall_warning=): inline, nothing
         # watches the clock while the loop fetches
-        watched = bool(self._timeout) or loader.stall_warning is not None
+        watched = bool(self._timeout) or loader._options.stall_warning is not None
         inline_possible = name == "fetch" and self._transfer is None and not inits and not watched
         trial = None
         if decided is None or pending:
@@ -553,7 +553,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         wrap = async_sample_stage if hooks.load_is_async else sample_stage
         # I/O threads get seeds after the CPU workers', so no two threads share an RNG stream
         io_seed = int(self._base_seed) + self._num_workers
-        io_start = worker_starter(loader.dataset, loader.io_workers, io_seed, None)
+        io_start = worker_starter(loader.dataset, loader._options.io_workers, io_seed, None)
         assembler = Assembler(self._auto_collation, self._finish, self._budget)
         preprocess, start, gate = self._cpu_stage(
             loader,
@@ -569,12 +569,19 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             many = async_group_loader if hooks.load_many_is_async else group_loader
             describe = SampleGroup.describe
             self._pipe(
-                builder, many(hooks.load_many), "load_many", loader.io_workers, describe, io_start
+                builder,
+                many(hooks.load_many),
+                "load_many",
+                loader._options.io_workers,
+                describe,
+                io_start,
             )
             builder.add_stream(Stream("split", split))
         else:
             load = wrap(self._load(loader, hooks), lambda task: task.index)
-            self._pipe(builder, load, "load", loader.io_workers, SampleTask.describe, io_start)
+            self._pipe(
+                builder, load, "load", loader._options.io_workers, SampleTask.describe, io_start
+            )
         workers, named = self._num_workers, SampleTask.describe
         self._pipe(builder, preprocess, "preprocess", workers, named, start, gate)
         return builder.add_stream(Stream("collate", assembler, on_restart=assembler.restart))

@@ -938,7 +938,9 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
     elif (whole := plan.whole) is not None:
-        io_threads = -(-loader.io_workers // iterator._num_workers)  # the load stage's, shared
+        io_threads = -(
+            -loader._options.io_workers // iterator._num_workers
+        )  # the load stage's, shared
         job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
     elif plan.hooks is None:
         job = FetchJob(loader.dataset, auto, collate, records=plan.copies)
@@ -953,7 +955,7 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         loader.multiprocessing_context,
         iterator._pinner(),
         watch,
-        loader.worker_nice,
+        loader._options.worker_nice,
     )
 
 

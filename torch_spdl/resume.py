@@ -195,7 +195,7 @@ def start_pass(
         continuation,
         tracked=not is_iterable(loader.dataset),
         window=loader.num_workers * (loader.prefetch_factor or 0),
-        snapshot_every=loader.snapshot_every_n_steps,
+        snapshot_every=loader._options.snapshot_every_n_steps,
         workers=max(loader.num_workers, 1),
         copies=copies,
         carried=carried,
