@@ -1111,6 +1111,37 @@ def test_torchvision_fakedata_four_worker_threads(extras):
         assert_image_batches_equal(got, want)
 
 
+class MyFakeData(torchvision.datasets.FakeData):
+    """A subclass that reads as FakeData does."""
+
+
+WRAPPED_FAKES = {
+    "subclass": lambda: MyFakeData(
+        size=20, image_size=(3, 32, 32), transform=transforms.ToTensor()
+    ),
+    "Subset": lambda: tud.Subset(fake_data(), range(20)),
+    "random_split": lambda: tud.random_split(
+        fake_data(), [20, 0], generator=torch.Generator().manual_seed(0)
+    )[0],
+    "ConcatDataset": lambda: tud.ConcatDataset([fake_data(), fake_data()]),
+}
+
+
+@pytest.mark.parametrize("wrapped", list(WRAPPED_FAKES))
+def test_torchvision_fakedata_wrapped_or_subclassed_on_threads(wrapped):
+    """The same reseeding inside a subclass, a ``Subset`` (``random_split``) or a
+    ``ConcatDataset``: the same batches as torch's, and the loop's RNG left as torch leaves it."""
+    make = WRAPPED_FAKES[wrapped]
+    torch.manual_seed(0)
+    want = [list(tud.DataLoader(make(), batch_size=6, num_workers=2)) for _ in range(3)]
+    want_rng = torch.rand(1)
+    torch.manual_seed(0)
+    loader = torch_spdl.DataLoader(make(), batch_size=6, num_workers=4, worker_method="thread")
+    for epoch in want:
+        assert_image_batches_equal(list(loader), epoch)
+    assert torch.equal(torch.rand(1), want_rng)
+
+
 def test_torchvision_fakedata_leaves_global_rng_as_torch_does():
     """Every iterator draws its base seed from the global RNG; nothing else may move it."""
     torch.manual_seed(1234)

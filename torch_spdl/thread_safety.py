@@ -3,7 +3,8 @@
 A worker process has its own copy of every global; threads share them. A dataset whose
 ``__getitem__`` reseeds torch's *global* generator to make each sample reproducible works in
 processes and races in threads: two threads reseed and draw from one generator, so samples come
-out wrong and the caller's RNG state is disturbed. torchvision's ``FakeData`` does exactly this.
+out wrong and the caller's RNG state is disturbed. torchvision's ``FakeData`` does exactly this
+(and so do its subclasses, and the ``Subset`` that ``random_split`` makes of it).
 For such datasets the loader reads through a view that draws the same numbers from a private
 generator (a fresh ``torch.Generator`` seeded like the global one yields the same stream).
 """
@@ -14,7 +15,7 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 
 
 class ThreadSafeFakeData(Dataset):
@@ -51,12 +52,26 @@ class ThreadSafeFakeData(Dataset):
 
 
 def thread_safe_view(dataset: Any) -> Any:
-    """The dataset to read from worker threads: ``dataset`` itself unless it is a known case.
+    """The dataset to read from worker threads: ``dataset`` itself unless it is, or wraps in a
+    ``Subset`` (``random_split``) or ``ConcatDataset``, a known case.
 
     A torchvision dataset exists only once torchvision is imported, so this does not import it:
     a loader over anything else does not pay for torchvision's import (160 MB of PSS).
     """
     datasets = sys.modules.get("torchvision.datasets")
-    if datasets is not None and type(dataset) is datasets.FakeData:
+    return dataset if datasets is None else _view(dataset, datasets.FakeData)
+
+
+def _view(dataset: Any, fake: type) -> Any:
+    """:func:`thread_safe_view` with torchvision imported: ``FakeData``, or a subclass that
+    reads as it does, made safe wherever it sits in torch's wrappers (rebuilt around it)."""
+    if isinstance(dataset, fake) and type(dataset).__getitem__ is fake.__getitem__:
         return ThreadSafeFakeData(dataset)
+    if type(dataset) is Subset:
+        inner = _view(dataset.dataset, fake)
+        return dataset if inner is dataset.dataset else Subset(inner, dataset.indices)
+    if type(dataset) is ConcatDataset:
+        parts = [_view(part, fake) for part in dataset.datasets]
+        unchanged = all(new is old for new, old in zip(parts, dataset.datasets, strict=True))
+        return dataset if unchanged else ConcatDataset(parts)
     return dataset
