@@ -501,6 +501,45 @@ def test_a_state_taken_as_a_persistent_loaders_next_epoch_starts_resumes_that_ep
     assert resumed_epoch(DataLoader, worker_method=worker_method) == want
 
 
+STREAM_OPTIONS = {
+    "inline": dict(num_workers=0),
+    "threads": dict(num_workers=2, worker_method="thread"),
+    "processes": dict(num_workers=2, worker_method="process"),
+}
+
+
+@pytest.mark.parametrize("batch_size", [3, 2], ids=["short_last_batch", "full_last_batch"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize("kind", list(STREAM_OPTIONS))
+def test_a_stream_state_at_its_end_resumes_nothing_more_of_that_pass(kind, persistent, batch_size):
+    """A state taken after each stream's last batch, before the pass ended: a short last batch
+    read the dataset to its end, where its state moved on to the next epoch. The resumed pass
+    gives nothing more (it gave that next epoch), and the epoch after it is the one an
+    uninterrupted run makes. (torchdata's loader, with workers, gives that next epoch in the
+    resumed pass: its workers' last snapshots come before their fetchers end.)"""
+    options = dict(STREAM_OPTIONS[kind])
+    method = options.pop("worker_method", None)
+    if persistent and not options["num_workers"]:
+        pytest.skip("persistent_workers needs workers")
+
+    def make(cls: type, **extra: Any) -> Any:
+        return cls(
+            Epochs(), batch_size=batch_size, persistent_workers=persistent, **options, **extra
+        )
+
+    uninterrupted = make(StatefulDataLoader)
+    first, following = epoch(uninterrupted), epoch(uninterrupted)
+    extra = {} if method is None else {"worker_method": method}
+    loader = make(DataLoader, **extra)
+    iterator = iter(loader)
+    assert [next(iterator).tolist() for _ in first] == first
+    state = loader.state_dict()
+    del iterator
+    fresh = make(DataLoader, **extra)
+    fresh.load_state_dict(elsewhere(state))
+    assert (epoch(fresh), epoch(fresh)) == ([], following)
+
+
 class RandomStream(tud.IterableDataset):
     """Draws its items from a generator of its own, which goes on from epoch to epoch."""
 

@@ -24,9 +24,15 @@ def is_stateful(obj: Any) -> bool:
 
 def open_stream(dataset: Any, restored: dict[str, Any] | None) -> tuple[Any, int]:
     """``iter(dataset)``, with the dataset's and the iterator's states put back first; and the
-    number of batches the stream had given where they were recorded (0 for a fresh one)."""
+    number of batches the stream had given where they were recorded (0 for a fresh one).
+
+    A stream recorded at its end (its last batch read it to the end) gives nothing more:
+    iterated again, a dataset whose state had moved on to its next epoch there would give that
+    epoch in this one (torchdata's loader keeps the same mark, ``fetcher_ended``)."""
     if restored is not None and restored["dataset"] is not None:
         dataset.load_state_dict(copy.deepcopy(restored["dataset"]))
+    if ended(restored):
+        return iter(()), start_of(restored)
     iterator = iter(dataset)
     if restored is not None and restored["iterator"] is not None:
         iterator.load_state_dict(copy.deepcopy(restored["iterator"]))
@@ -38,12 +44,19 @@ def start_of(restored: dict[str, Any] | None) -> int:
     return 0 if restored is None else int(restored["at"])
 
 
-def state_of(number: int, dataset: Any, iterator: Any) -> dict[str, Any]:
-    """The stream's state once it has given ``number`` batches."""
+def ended(restored: dict[str, Any] | None) -> bool:
+    """Whether ``restored`` was recorded once the stream's items had run out."""
+    return restored is not None and bool(restored.get("ended"))
+
+
+def state_of(number: int, dataset: Any, iterator: Any, items_ended: bool) -> dict[str, Any]:
+    """The stream's state once it has given ``number`` batches (``items_ended``: and its
+    iterator has run out, which the last batch can find before the stream ends)."""
     return {
         "at": number,
         "dataset": copy.deepcopy(dataset.state_dict()) if is_stateful(dataset) else None,
         "iterator": copy.deepcopy(iterator.state_dict()) if is_stateful(iterator) else None,
+        "ended": items_ended,
     }
 
 
@@ -58,10 +71,28 @@ def recorded_stream(
     and, where it has state of its own, recorded for ``keep`` (:class:`Recorded`); and the
     number of batches the stream had given where it was restored."""
     iterator, start = open_stream(dataset, restored)
-    batches = iter(batches_of(iterator))
-    if is_stateful(dataset) or is_stateful(iterator):
-        batches = Recorded(batches, start, every, dataset, iterator, keep)
-    return batches, start
+    if not (is_stateful(dataset) or is_stateful(iterator)):
+        return iter(batches_of(iterator)), start
+    items = Watched(iterator, ended(restored))
+    return Recorded(iter(batches_of(items)), start, every, dataset, items, keep), start
+
+
+class Watched:
+    """A stream's iterator that says whether it has run out, as its state is recorded."""
+
+    def __init__(self, iterator: Iterator[Any], items_ended: bool) -> None:
+        self.iterator = iterator
+        self.ended = items_ended
+
+    def __iter__(self) -> Watched:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            self.ended = True
+            raise
 
 
 @dataclass
@@ -81,16 +112,21 @@ class Recorded:
         start: int,
         every: int,
         dataset: Any,
-        iterator: Any,
+        items: Watched,
         keep: Callable[[dict[str, Any]], None],
     ) -> None:
         self._batches = iter(batches)
         self._number = start
         self._every = every
         self._dataset = dataset
-        self._iterator = iterator
+        self._items: Watched | None = items
         self._keep = keep
-        keep(state_of(start, dataset, iterator))
+        self._record()
+
+    def _record(self) -> None:
+        items = self._items
+        assert items is not None  # recorded no more once the stream has ended
+        self._keep(state_of(self._number, self._dataset, items.iterator, items.ended))
 
     def __iter__(self) -> Recorded:
         return self
@@ -99,9 +135,10 @@ class Recorded:
         try:
             batch = next(self._batches)
         except StopIteration:
-            if self._iterator is not None:  # its state at its end: what a next pass goes on from
-                self._keep(state_of(self._number, self._dataset, self._iterator))
-                self._iterator = None
+            if self._items is not None:  # its state at its end: what a next pass goes on from
+                self._items.ended = True  # (with drop_last, items may be left unread)
+                self._record()
+                self._items = None
             raise
         except Exception:
             self._given()  # a batch that raised has its place in the stream too
@@ -112,4 +149,4 @@ class Recorded:
     def _given(self) -> None:
         self._number += 1
         if self._number % self._every == 0:
-            self._keep(state_of(self._number, self._dataset, self._iterator))
+            self._record()
