@@ -46,6 +46,31 @@ def elsewhere(state: dict) -> dict:
     return pickle.loads(pickle.dumps(state))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_before_the_first_batch_fixes_the_shuffle(workers):
+    """``iter()``, then a checkpoint, then the first batch: with no workers torch's
+    RandomSampler draws its seed off the global RNG only at that first batch. The state fixes
+    that seed (peeked, not drawn), so the saving pass, still torch's order, and a pass resumed
+    in a process whose global RNG is elsewhere are the same epoch; the global RNG moves as
+    torch's loader moves it."""
+
+    def make(cls: type) -> Any:
+        return cls(DATA, batch_size=4, shuffle=True, num_workers=workers)
+
+    torch.manual_seed(0)
+    want = epoch(make(tud.DataLoader))
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(0)
+    loader = make(DataLoader)
+    iterator = iter(loader)
+    state = loader.state_dict()
+    assert [batch.tolist() for batch in iterator] == want
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    resumed = make(DataLoader)
+    resumed.load_state_dict(elsewhere(state))
+    assert epoch(resumed) == want
+
+
 # -- how far an abandoned epoch reads the sampler: torch's count, whatever the threads did ------
 @pytest.mark.parametrize("received", [1, 2, 5])
 @pytest.mark.parametrize(

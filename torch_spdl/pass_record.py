@@ -233,6 +233,10 @@ class _Replay:
     def generator(self) -> torch.Generator | None:
         return self._sampler.generator
 
+    @property
+    def started(self) -> bool:
+        return self._it is not None
+
     def __iter__(self) -> Iterator[Any]:
         """The replayed sampler's own iterator, so drawing an index costs no wrapper call."""
         return self.start()
@@ -584,6 +588,7 @@ class PassRecord:
     def state(self) -> dict[str, Any]:
         if not self.tracked:
             return self._streams_state()
+        self._fix_sampler_seed()
         sampler_state = None
         if self._stateful is not None:
             with self._lock:
@@ -600,6 +605,21 @@ class PassRecord:
             "global": self.order,
             "worker_datasets": copy.deepcopy(self.copy_states()) if self.copies else None,
         }
+
+
+    def _fix_sampler_seed(self) -> None:
+        """A state taken before the pass's replayed RandomSampler began (with no workers it
+        draws its seed off the global RNG at the first batch, as torch's does): the seed is
+        fixed now, drawn from a copy of the global RNG as that first batch will draw it, and
+        the pass's own draw is then dropped (:meth:`_Replay._begin`), so that the saving pass
+        and a pass resumed from the state have the same order."""
+        replay = self._replay
+        if replay is None or replay.started or replay.generator is not None:
+            return
+        if self.sampler_rng is None:
+            peek = torch.Generator()
+            peek.set_state(torch.get_rng_state())
+            self.sampler_rng = ("seed", draw_seed(peek))
 
 
 # -- an IterableDataset's pass, resumed -----------------------------------------------------------
