@@ -588,7 +588,7 @@ class PassRecord:
     def state(self) -> dict[str, Any]:
         if not self.tracked:
             return self._streams_state()
-        self._fix_sampler_seed()
+        draws = self._fix_sampler_seed()
         sampler_state = None
         if self._stateful is not None:
             with self._lock:
@@ -599,6 +599,8 @@ class PassRecord:
             "base_seed": self.base_seed,
             "generator": self.generator,
             "sampler_rng": None if self.sampler_rng is None else list(self.sampler_rng),
+            # the pass has yet to make its draw of that seed, which a resumed pass makes too
+            "draws_sampler_seed": draws,
             "epoch": None if self.epoch is None else {"epoch": self.epoch},
             "yielded": self.done.state(),
             "sampler_state": sampler_state,
@@ -607,19 +609,21 @@ class PassRecord:
         }
 
 
-    def _fix_sampler_seed(self) -> None:
+    def _fix_sampler_seed(self) -> bool:
         """A state taken before the pass's replayed RandomSampler began (with no workers it
         draws its seed off the global RNG at the first batch, as torch's does): the seed is
         fixed now, drawn from a copy of the global RNG as that first batch will draw it, and
         the pass's own draw is then dropped (:meth:`_Replay._begin`), so that the saving pass
-        and a pass resumed from the state have the same order."""
+        and a pass resumed from the state have the same order. Whether the draw is yet to come
+        (a resumed pass makes it too: the global RNG then moves as the saving pass moves it)."""
         replay = self._replay
         if replay is None or replay.started or replay.generator is not None:
-            return
+            return False
         if self.sampler_rng is None:
             peek = torch.Generator()
             peek.set_state(torch.get_rng_state())
             self.sampler_rng = ("seed", draw_seed(peek))
+        return self.draws_sampler_seed
 
 
 # -- an IterableDataset's pass, resumed -----------------------------------------------------------

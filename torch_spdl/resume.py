@@ -586,6 +586,7 @@ def _continue_pass(loader: Any, saved: dict[str, Any]) -> Continuation:
         done=done,
         start=0 if target is None else int(saved["sampler_state"]["at"]),
         worker_datasets=_worker_datasets(loader, saved, "was taken in the middle of a pass"),
+        draws_sampler_seed=bool(saved.get("draws_sampler_seed", False)),
     )
 
 
