@@ -71,6 +71,40 @@ def test_a_state_taken_before_the_first_batch_fixes_the_shuffle(workers):
     assert epoch(resumed) == want
 
 
+@pytest.mark.parametrize("where", ["generator", "sampler"])
+@pytest.mark.parametrize("loaded", [False, True], ids=["saving_loader", "loading_loader"])
+def test_a_reseed_after_a_state_between_passes_chooses_the_next_order(where, loaded):
+    """``g.manual_seed(epoch)`` at the start of each epoch, after an end-of-epoch checkpoint:
+    the next pass is torch's for that seed, not the one the state fixed, on the loader that
+    saved it and on one that loaded it alike (the loader's generator, or its sampler's)."""
+
+    def make(cls: type) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        if where == "generator":
+            return cls(DATA, batch_size=4, shuffle=True, num_workers=2, generator=generator)
+        sampler = tud.RandomSampler(DATA, generator=generator)
+        return cls(DATA, batch_size=4, sampler=sampler, num_workers=2)
+
+    def reseed(loader: Any) -> None:
+        owner = loader if where == "generator" else loader.sampler
+        owner.generator.manual_seed(42)
+
+    torch.manual_seed(0)
+    theirs = make(tud.DataLoader)
+    epoch(theirs)
+    reseed(theirs)
+    want = epoch(theirs)
+    torch.manual_seed(0)
+    ours = make(DataLoader)
+    epoch(ours)
+    state = ours.state_dict()
+    if loaded:
+        ours = make(DataLoader)
+        ours.load_state_dict(state)
+    reseed(ours)
+    assert epoch(ours) == want
+
+
 # -- how far an abandoned epoch reads the sampler: torch's count, whatever the threads did ------
 @pytest.mark.parametrize("received", [1, 2, 5])
 @pytest.mark.parametrize(

@@ -466,9 +466,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._resume = state
         return copy.deepcopy(state.raw)
 
+    def _pending(self) -> pass_record.Pending | None:
+        """The state the next iterator continues from: loaded, or taken between passes (which
+        fixed the next pass's seeds); not one whose seeds the user has reseeded since."""
+        if self._resume is not None and not resume.still_fixed(self, self._resume):
+            self._resume = None  # the next pass draws as torch's does
+        return self._resume
+
     def _take_continuation(self) -> pass_record.Continuation | None:
         """The loaded state for the iterator being made now (it is used once)."""
-        pending, self._resume = self._resume, None
+        pending, self._resume = self._pending(), None
         return None if pending is None else pending.continuation
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -214,6 +214,9 @@ class Pending:
 
     raw: dict[str, Any]
     continuation: Continuation | None
+    # between passes: what the user reseeds to choose the next pass's order, as it stood when
+    # the state was taken or loaded (see resume.rng_marks); None mid-pass
+    marks: tuple[Any, ...] | None = None
 
 
 class _Replay:
@@ -607,7 +610,6 @@ class PassRecord:
             "global": self.order,
             "worker_datasets": copy.deepcopy(self.copy_states()) if self.copies else None,
         }
-
 
     def _fix_sampler_seed(self) -> bool:
         """A state taken before the pass's replayed RandomSampler began (with no workers it

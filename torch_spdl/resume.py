@@ -357,8 +357,9 @@ def loader_state(loader: Any) -> Pending:
     between passes fixes the next pass's seeds (:func:`next_pass`), and the loader that saved
     it starts its next pass from them as a loader resumed from it does, so both make the same
     epoch, whatever the global RNG holds by then. A state mid-pass continues nothing here."""
-    if loader._resume is not None:
-        return loader._resume
+    pending = loader._pending()
+    if pending is not None:
+        return pending
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "config": describe(loader),
@@ -377,6 +378,7 @@ def loader_state(loader: Any) -> Pending:
         following = _with_stream_datasets(following, record.ended_streams())
     if record is not None and record.copies and _reuses_iterator(loader):
         following = dataclasses.replace(following, worker_datasets=tuple(record.copy_states()))
+    marks = rng_marks(loader)  # before next_pass: it draws from copies, moving nothing
     state["between"] = {
         "generator": generator_state(loader.generator),
         "epoch": epoch_state(loader._own_samplers[0]),
@@ -389,7 +391,26 @@ def loader_state(loader: Any) -> Pending:
         else list(following.stream_states),
         "worker_datasets": copy.deepcopy(following.worker_datasets),
     }
-    return Pending(state, following)
+    return Pending(state, following, marks)
+
+
+def rng_marks(loader: Any) -> tuple[Any, ...]:
+    """What a user reseeds between passes to choose the next pass's order: the states of the
+    loader's generator and its sampler's (nothing else draws from them between passes). Not
+    the global RNG's: the training loop draws from it, and a resumed process restores it (or
+    seeds it anew) after loading the state, which is what the fixed seeds stand against."""
+    generators = [loader.generator, *sampler_generators(loader)]
+    return tuple(generator_state(g) for g in generators)
+
+
+def still_fixed(loader: Any, pending: Pending) -> bool:
+    """Whether ``pending``'s fixed seeds for the next pass still hold: not where the user
+    reseeded since (:func:`rng_marks`), which would choose another order in torch's loader
+    (for a state of persistent workers' own datasets the seeds hold: they go with them)."""
+    continuation = pending.continuation
+    if pending.marks is None or continuation is None or pending.marks == rng_marks(loader):
+        return True
+    return continuation.worker_datasets is not None or continuation.stream_states is not None
 
 
 def _dataset_state(dataset: Any) -> Any:
@@ -708,4 +729,5 @@ def load_state(loader: Any, state: Any) -> Pending:
             continuation = _between_passes(loader, state["between"])
     except (KeyError, TypeError, IndexError) as error:
         raise ValueError(f"malformed torch_spdl DataLoader state: {error!r}") from error
-    return Pending(copy.deepcopy(state), continuation)
+    between = state["pass"] is None  # the generators are where the saving loader left them
+    return Pending(copy.deepcopy(state), continuation, rng_marks(loader) if between else None)
