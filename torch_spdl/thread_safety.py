@@ -65,7 +65,8 @@ def thread_safe_view(dataset: Any) -> Any:
 def _view(dataset: Any, fake: type) -> Any:
     """:func:`thread_safe_view` with torchvision imported: ``FakeData``, or a subclass that
     reads as it does, made safe wherever it sits in torch's wrappers (rebuilt around it)."""
-    if isinstance(dataset, fake) and type(dataset).__getitem__ is fake.__getitem__:
+    reads = getattr(type(dataset), "__getitem__", None)
+    if isinstance(dataset, fake) and reads is getattr(fake, "__getitem__", None):
         return ThreadSafeFakeData(dataset)
     if type(dataset) is Subset:
         inner = _view(dataset.dataset, fake)
