@@ -238,6 +238,39 @@ def test_iterable_dataset_skips_bad_items(num_workers):
     assert [f.index for f in loader.stats().skipped] == [None] * 3
 
 
+class WorkerItems(torch.utils.data.IterableDataset):
+    """Worker w's k-th item is 1000 w + k; worker 1's items 3 to 5 raise (each worker's
+    stream an iterator object, which goes on after raising)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        self.worker, self.k = (0 if info is None else info.id), -1
+        return self
+
+    def __next__(self):
+        self.k += 1
+        if self.k >= 40:
+            raise StopIteration
+        if self.worker == 1 and 3 <= self.k <= 5:
+            raise OSError(f"bad record {self.k} of worker 1")
+        return 1000 * self.worker + self.k
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_workers_stream_failures_count_where_its_batches_are_delivered(run):
+    """Worker w's k-th batch is the pass's w + k * workers: its failures count there, so the
+    budget of one stops the pass as the batch after the second failure arrives, whatever the
+    threads' timing (each worker's batches counted from 0 collided with the other's)."""
+    loader = DataLoader(
+        WorkerItems(), batch_size=1, num_workers=2, max_failures=1, worker_method="thread"
+    )
+    got = []
+    with pytest.raises(FailureBudgetExceeded):
+        for batch in loader:
+            got.append(int(batch))
+    assert got == [0, 1000, 1, 1001, 2, 1002, 3]
+
+
 def test_a_collate_error_is_not_a_sample_failure():
     def collate(batch):
         raise RuntimeError("collate broke")

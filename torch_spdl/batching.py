@@ -369,20 +369,21 @@ def tolerant_batches(
     drop_last: bool,
     finish: Collate,
     budget: FailureBudget,
-    worker: int = 0,
+    first: int = 0,
     workers: int = 1,
 ) -> Iterator[Any]:
     """torch's ``_IterableDatasetFetcher`` loop, leaving out the items whose ``next()`` raises.
 
-    Worker ``worker`` of ``workers``' ``k``-th batch is item ``worker + k × workers`` of the
-    pass (the pipeline's numbering): what the budget counts its failures against (those of a
-    batch whose every item failed, which is not yielded, count with the next one).
+    The stream's batches are items ``first``, ``first + workers``, ... of the pass (the
+    pipeline's numbering: worker ``w``'s ``k``-th is ``w + k × workers``), which the budget
+    counts their failures against (those of a batch whose every item failed, which is not
+    yielded, count with the next one).
     (A generator is finished once it has raised, so its stream ends there; an iterator object
     may go on, and then the items after the bad one are kept.)
     """
     iterator = iter(dataset)
     size = 1 if batch_size is None else batch_size
-    at = worker
+    at = first
     while True:
         data, ended = _take(iterator, size, budget, at)
         if data and (len(data) == size or not drop_last):

@@ -599,15 +599,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """
         streams, auto, finish = self._streams, self._auto_collation, self._finish
         drop_last, batch_size, budget = self._drop_last, self._iterable_batch_size(), self._budget
-        batches: Callable[[Any], Iterable[Any]]
-        if budget.enabled:
-            batches = lambda stream: tolerant_batches(  # noqa: E731
-                stream, batch_size, drop_last, finish, budget
-            )
-        else:
-            batches = lambda stream: IterableBatches(  # noqa: E731
-                stream, auto, finish, drop_last, batch_size
-            )
+        workers = max(self._num_workers, 1)
+
+        def batches(stream: Any, worker: int, first: int) -> Iterable[Any]:
+            if not budget.enabled:
+                return IterableBatches(stream, auto, finish, drop_last, batch_size)
+            # worker w's k-th batch is the pass's w + k * workers: its failures count there
+            at = worker + first * workers
+            return tolerant_batches(stream, batch_size, drop_last, finish, budget, at, workers)
+
         return self._current.streams(streams.stream, batches)
 
     # -- iteration --------------------------------------------------------------------------------

@@ -102,13 +102,16 @@ class CurrentPass:
         return tasks
 
     def streams(
-        self, dataset_of: Callable[[int], Any], batches_of: Callable[[Any], Iterable[Any]]
+        self, dataset_of: Callable[[int], Any], batches_of: StreamBatches
     ) -> Callable[[int], Iterable[Any]]:
         """Worker threads (or the loop's thread): see :meth:`PassRecord.stream`."""
 
         def batches(worker: int) -> Iterable[Any]:
-            assert self.record is not None  # set before any pass runs
-            return self.record.stream(worker, dataset_of(worker), batches_of)
+            record = self.record
+            assert record is not None  # set before any pass runs
+            first = start_of(record.restored[worker])  # the batches its restored stream gave
+            made = functools.partial(batches_of, worker=worker, first=first)
+            return record.stream(worker, dataset_of(worker), made)
 
         return batches
 
@@ -126,6 +129,10 @@ class CurrentPass:
 
         return batches
 
+
+# A worker thread's batches of its stream (worker: its number; first: the batches its restored
+# stream had given before this pass resumed it)
+StreamBatches = Callable[..., Iterable[Any]]
 
 # ProcessPool.batches: (worker, restored state or None, snapshot interval, keep a record)
 ProcessStreams = Callable[
