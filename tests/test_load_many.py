@@ -100,12 +100,18 @@ def test_a_failing_call_names_its_indices_and_keeps_its_type():
     assert next(it)[0].tolist() == [16, 128]  # the pass goes on, as torch's does
 
 
-def test_max_failures_leaves_out_the_samples_of_a_failing_call():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_max_failures_leaves_out_the_samples_of_a_failing_call(num_workers):
+    """With no workers too: one load_many call per batch, never load."""
     ours = Store(n=12, bad=7)
-    loader = torch_spdl.DataLoader(ours, batch_size=4, num_workers=2, max_failures=4)
+    loader = torch_spdl.DataLoader(ours, batch_size=4, num_workers=num_workers, max_failures=4)
     batches = [b.tolist() for b in loader]
     assert len(batches) == 2  # the batch of 4..7 had every sample fail
-    assert sorted(f.index for f in loader.stats().skipped) == [4, 5, 6, 7]
+    skipped = loader.stats().skipped
+    assert sorted(f.index for f in skipped) == [4, 5, 6, 7]
+    assert {f.stage for f in skipped} == {"load_many"}
+    assert sorted(ours.calls) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert ours.single == 0
 
 
 def test_a_wrong_number_of_samples_is_an_error_that_says_so():

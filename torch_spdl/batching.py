@@ -178,6 +178,14 @@ def tolerant_batch(
             data = None
     if data is None:
         data = gather(indices, steps, budget, at)
+    return survivors_batch(data, indices, auto_collation, finish)
+
+
+def survivors_batch(
+    data: list[Any], indices: list[Any], auto_collation: bool, finish: Collate
+) -> Any:
+    """The batch of the samples of ``indices`` that did not fail (``data``): :data:`SKIPPED` if
+    none did (an empty batch is collated as torch collates one)."""
     if not data and indices:
         return SKIPPED
     return finish(data if auto_collation else data[0])

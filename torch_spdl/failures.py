@@ -162,15 +162,20 @@ Step = tuple[str, Callable[[Any], Any]]  # (stage name, function)
 
 
 def gather(
-    indices: Iterable[Any], steps: Sequence[Step], budget: FailureBudget, at: int
+    indices: Iterable[Any],
+    steps: Sequence[Step],
+    budget: FailureBudget,
+    at: int,
+    values: Sequence[Any] | None = None,
 ) -> list[Any]:
-    """Run each index through ``steps``; leave out (and record, for the batch at position
-    ``at``) the samples where one raises."""
+    """Run each index (or its value in ``values``: its raw sample, loaded already) through
+    ``steps``; leave out (and record, by index, for the batch at position ``at``) the samples
+    where one raises."""
     data = []
     seen = 0
     for index in indices:
+        value = index if values is None else values[seen]
         seen += 1
-        value = index
         for stage, fn in steps:
             try:
                 value = fn(value)

@@ -40,6 +40,7 @@ from .batching import (
     finisher,
     sample_stage,
     sample_tasks,
+    survivors_batch,
     tolerant_batch,
     tolerant_batches,
 )
@@ -53,7 +54,7 @@ from .compat import (
     refuses_prefetch_factor,
 )
 from .copies import InTurns, ThreadCopies, Turns, on_copies
-from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded
+from .failures import SKIPPED, FailureBudget, FailureBudgetExceeded, gather
 from .grouped import SampleGroup, async_group_loader, group_loader, group_tasks, loads_many, split
 from .hooks import Hooks
 from .pipeline import (
@@ -212,10 +213,12 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             load_async = load
             load = lambda index: asyncio.run(load_async(index))  # noqa: E731
         preprocess = hooks.preprocess
-        if self._plan.skips_failures:
+        if self._plan.skips_failures and not self._plan.load_many:
             return self._tolerant_inline(load, preprocess)
 
         load_all = self._inline_loads(load, hooks)
+        if self._plan.skips_failures:
+            return self._tolerant_loads(load_all, preprocess)
 
         def fetch(task: FetchTask) -> Any:
             if not self._auto_collation:
@@ -248,6 +251,27 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         steps = [("load", load), ("preprocess", preprocess)]
         auto, finish, budget = self._auto_collation, self._finish, self._budget
         return lambda task: tolerant_batch(task.index, auto, steps, finish, budget, task.number)
+
+    def _tolerant_loads(
+        self, load_all: Callable[[list[Any]], list[Any]], preprocess: Callable[[Any], Any]
+    ) -> Callable[[FetchTask], Any]:
+        """:meth:`_tolerant_inline` with one ``load_many`` call per batch: a call that raises
+        fails each of its samples (stage ``load_many``, as on the workers)."""
+        auto, finish, budget = self._auto_collation, self._finish, self._budget
+
+        def fetch(task: FetchTask) -> Any:
+            indices = task.index if auto else [task.index]
+            try:
+                raws = load_all(indices)
+            except Exception as error:
+                for index in indices:
+                    budget.record_exception(index, "load_many", error, task.number)
+                budget.saw(len(indices), task.number)
+                return SKIPPED
+            data = gather(indices, [("preprocess", preprocess)], budget, task.number, raws)
+            return survivors_batch(data, indices, auto, finish)
+
+        return fetch
 
     # -- num_workers>0: a pipeline of thread pools -------------------------------------------------
     def _start_pipeline(self, loader: DataLoader) -> Pipeline[Any]:
