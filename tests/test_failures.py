@@ -271,6 +271,23 @@ def test_a_workers_stream_failures_count_where_its_batches_are_delivered(run):
     assert got == [0, 1000, 1, 1001, 2, 1002, 3]
 
 
+def test_after_the_budget_ends_a_pass_prefetched_failures_do_not_count(caplog):
+    """The pass ended on the budget; a next() after it ends the iteration, and the failures of
+    batches prefetched but never delivered are neither counted nor logged."""
+    loader = DataLoader(
+        Flaky(40, {4, 21, 30}), batch_size=4, num_workers=2, max_failures=1, worker_method="thread"
+    )
+    it = iter(loader)
+    with pytest.raises(FailureBudgetExceeded) as info:
+        for _ in it:
+            pass
+    assert [f.index for f in info.value.failures] == [4, 21]
+    caplog.clear()
+    assert next(it, None) is None
+    assert [f.index for f in loader.stats().skipped] == [4, 21]
+    assert "30" not in caplog.text
+
+
 def test_a_collate_error_is_not_a_sample_failure():
     def collate(batch):
         raise RuntimeError("collate broke")

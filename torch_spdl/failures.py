@@ -117,7 +117,7 @@ class FailureBudget:
         and its skipped samples are logged (once: each batch is delivered once)."""
         with self._lock:
             batch = self._pending.pop(at, None) if at is not None else None
-            if batch is None:
+            if batch is None or self.exceeded:  # the pass ended on the budget: none came after
                 return
             self.seen += batch.seen
             self.failures += batch.failures
