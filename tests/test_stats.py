@@ -97,6 +97,34 @@ def test_failures_are_counted_in_the_stage_that_raised():
     assert stages["load"].failures == 1 and stages["preprocess"].failures == 0
 
 
+class Raises(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyError(index)
+        return index
+
+
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_a_task_that_failed_in_a_worker_process_counts_as_failed(worker_method, no_child_left):
+    """A worker process sends its failure back as a value rather than raising it: the stage's
+    fail column counts it all the same."""
+    loader = DataLoader(Raises(), batch_size=4, num_workers=2, worker_method=worker_method)
+    it, raised = iter(loader), 0
+    while True:
+        try:
+            next(it)
+        except KeyError:
+            raised += 1
+        except StopIteration:
+            break
+    stages = by_name(loader.stats())
+    assert raised == 1 and stages["fetch"].failures == 1 and stages["fetch"].done == 4
+    del it
+
+
 def test_an_io_bound_load_stage_is_named_the_bottleneck():
     loader = DataLoader(Staged(64, load_seconds=0.01), batch_size=4, num_workers=2, io_workers=2)
     for _ in loader:

@@ -143,6 +143,7 @@ class _Flight:
         failed = task.failed
         try:
             value = task.result(bell)
+            failed = failed or isinstance(value, Failure)  # a worker process sends its failure
         except BaseException:
             value, failed = self._failure(task.value), True
         finally:

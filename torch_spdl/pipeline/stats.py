@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .items import Failure
+
 RECENT = 2048  # task times kept per worker for the percentiles: recent behaviour, bounded memory
 CPU_EVERY = 8  # CPU time is read for one task in 8: time.thread_time is a ~1 µs system call
 
@@ -210,14 +212,15 @@ def call_timed(
     stopping: Callable[[], bool] = lambda: False,
 ) -> Any:
     """``fn(value)``, with its wall (and, sampled, CPU) time added to ``record``; a task that
-    raises counts as failed, unless ``stopping()`` (:meth:`WorkerRecord.add`)."""
+    raises, or returns a :class:`~.items.Failure` (a worker process's, which it sends rather
+    than raises), counts as failed, unless ``stopping()`` (:meth:`WorkerRecord.add`)."""
     clock = None if record.done % CPU_EVERY else time.thread_time
     start, cpu = time.perf_counter(), clock() if clock else 0.0
     record.started, record.current = start, value
     failed = True
     try:
         result = fn(value)
-        failed = False
+        failed = isinstance(result, Failure)
     finally:
         record.current = None
         seconds, used = time.perf_counter() - start, clock() - cpu if clock else None
