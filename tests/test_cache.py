@@ -183,10 +183,18 @@ def test_caching_needs_a_load_hook(kwargs):
         DataLoader(torch.utils.data.TensorDataset(torch.zeros(3)), **kwargs)
 
 
-@pytest.mark.parametrize("size", [0, -5, True])
+@pytest.mark.parametrize("size", [0, -5, True, 0.5, float("nan"), float("inf")])
 def test_cache_bytes_must_be_positive(size):
-    with pytest.raises(ValueError, match="cache_bytes"):
+    with pytest.raises(ValueError, match="cache_bytes should be a positive number of bytes"):
         DataLoader(Counted(), cache_bytes=size)
+
+
+def test_cache_bytes_is_a_number_of_bytes():
+    """A float reads as the bytes it says (2e9 is 2 GB); a string is no number."""
+    loader = DataLoader(Counted(), cache_bytes=2e3)
+    assert loader.cache_stats().capacity == 2000
+    with pytest.raises(TypeError, match="cache_bytes should be a number of bytes, got '10'"):
+        DataLoader(Counted(), cache_bytes="10")
 
 
 def test_cache_options_are_public_attributes_with_defaults():

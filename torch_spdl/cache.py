@@ -9,6 +9,8 @@ refreshes the entry) rather than one waiting on the other.
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import threading
 from collections import OrderedDict
@@ -50,12 +52,18 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-def check_capacity(capacity: Any) -> None:
-    """torch-style validation of ``cache_bytes``: None (unbounded) or a positive int."""
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+def check_capacity(capacity: Any) -> int | None:
+    """torch-style validation of ``cache_bytes``: None (unbounded), or a number of bytes of at
+    least 1 (``2e9`` reads as 2 GB), as a whole number of bytes."""
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or (
+        isinstance(capacity, numbers.Real) and not (math.isfinite(capacity) and capacity >= 1)
     ):
         raise ValueError(f"cache_bytes should be a positive number of bytes, got {capacity!r}")
+    if not isinstance(capacity, numbers.Real):
+        raise TypeError(f"cache_bytes should be a number of bytes, got {capacity!r}")
+    return int(capacity)
 
 
 class ByteLRU:
@@ -63,8 +71,7 @@ class ByteLRU:
     (``None``: unbounded). An item larger than the whole capacity is not cached at all."""
 
     def __init__(self, capacity: int | None) -> None:
-        check_capacity(capacity)
-        self.capacity = capacity
+        self.capacity = check_capacity(capacity)
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
