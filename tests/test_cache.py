@@ -165,6 +165,19 @@ def test_cache_options_set_after_construction_take_effect():
     assert dataset.loads == Counter(range(24)) and loader.cache_stats().hits == 48
 
 
+@pytest.mark.parametrize("option", ["cache_bytes", "preload"])
+def test_a_cache_assigned_to_a_persistent_loader_is_read(option):
+    """The persistent workers' load stage was made without a cache: they start anew with it."""
+    dataset = Counted()
+    loader = DataLoader(dataset, batch_size=6, num_workers=2, persistent_workers=True)
+    list(loader)
+    setattr(loader, option, 10_000 if option == "cache_bytes" else True)
+    for _ in range(2):
+        assert sum(len(batch) for batch in loader) == 24
+    loads = 24 + 24  # the pass before the cache; its first pass (or preload) fills it
+    assert sum(dataset.loads.values()) == loads and loader.cache_stats().hits >= 24
+
+
 def test_preload_error_keeps_its_type_and_names_the_index():
     class Broken(Counted):
         def load(self, index):

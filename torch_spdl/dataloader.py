@@ -489,8 +489,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if torchdata_state.is_torchdata_state(state_dict):
             state_dict = torchdata_state.from_torchdata(self, state_dict)
         self._resume = resume.load_state(self, state_dict)
-        if isinstance(self._iterator, _ThreadDataLoaderIter):  # persistent threads hold the old
-            self._iterator.close()  # seeds: start anew
+        self._drop_persistent_iterator()  # its threads hold the old seeds: start anew
+
+    def _drop_persistent_iterator(self) -> None:
+        """Stop a persistent iterator's workers: the next ``iter()`` starts a new one, made
+        with what has changed since (a loaded state, a cache)."""
+        if isinstance(self._iterator, _ThreadDataLoaderIter):
+            self._iterator.close()
             self._iterator = None
 
     def __iter__(self) -> Any:
@@ -498,6 +503,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             gil.check()  # worker threads on a free-threaded Python that got its GIL back
         if self._cache is None:  # cache_bytes or preload may have been set after construction
             self._cache = self._make_cache()
+            if self._cache is not None:  # a persistent pipeline's load stage reads none
+                self._drop_persistent_iterator()
         if self._options.preload and not self._preloaded:
             self._preload()
         self._shard()
