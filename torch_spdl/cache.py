@@ -57,13 +57,12 @@ def check_capacity(capacity: Any) -> int | None:
     least 1 (``2e9`` reads as 2 GB), as a whole number of bytes."""
     if capacity is None:
         return None
-    if isinstance(capacity, bool) or (
-        isinstance(capacity, numbers.Real) and not (math.isfinite(capacity) and capacity >= 1)
-    ):
-        raise ValueError(f"cache_bytes should be a positive number of bytes, got {capacity!r}")
     if not isinstance(capacity, numbers.Real):
         raise TypeError(f"cache_bytes should be a number of bytes, got {capacity!r}")
-    return int(capacity)
+    value = float(capacity)
+    if isinstance(capacity, bool) or not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"cache_bytes should be a positive number of bytes, got {capacity!r}")
+    return capacity if isinstance(capacity, int) else int(value)
 
 
 class ByteLRU:
