@@ -51,7 +51,14 @@ class NoIndexLoad(MapDataset):
         return None
 
 
-class NoIndexLoadWithPreprocess(MapDataset):
+class HooksOnly(tud.Dataset):
+    """Hooks by duck typing: ``load`` and ``preprocess``, and no ``__getitem__`` of its own."""
+
+    def __len__(self):
+        return 10
+
+
+class NoIndexLoadWithPreprocess(HooksOnly):
     def load(self):
         return None
 
@@ -59,7 +66,7 @@ class NoIndexLoadWithPreprocess(MapDataset):
         return raw
 
 
-class NoArgPreprocess(MapDataset):
+class NoArgPreprocess(HooksOnly):
     def load(self, i):
         return i
 
@@ -206,6 +213,16 @@ def test_workers_set_after_init_without_a_prefetch_factor_fail_as_torchs():
         errors.append(iter_error(loader, TypeError))
     assert errors[0] == errors[1]
     assert "NoneType" in errors[0]
+
+
+@torchs_failed_iterator
+def test_negative_workers_set_after_init_fail_as_torchs():
+    errors = []
+    for cls in LOADERS:
+        loader = cls(MAP, batch_size=2, num_workers=2)
+        loader.num_workers = -1
+        errors.append(iter_error(loader, AssertionError))
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize("worker_method", ["thread", "process"])
@@ -498,6 +515,29 @@ def test_dataset_hook_without_its_argument_is_a_type_error(dataset, name):
         torch_spdl.DataLoader(dataset)
     assert str(info.value).startswith(name)
     tud.DataLoader(dataset)  # torch does not look at these methods
+
+
+class Labelled(MapDataset):
+    """``load`` and ``preprocess`` as helpers of its own ``__getitem__``, which adds the label:
+    what torch's loader reads, and so does this one."""
+
+    paths = [f"img{i}.jpg" for i in range(10)]
+
+    def load(self, path):
+        return len(path)
+
+    def preprocess(self, raw):
+        return raw * 2
+
+    def __getitem__(self, i):
+        return self.preprocess(self.load(self.paths[i])), i
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_datasets_own_getitem_is_read_beside_helpers_named_like_hooks(num_workers):
+    want = [[b.tolist() for b in batch] for batch in tud.DataLoader(Labelled(), batch_size=4)]
+    loader = torch_spdl.DataLoader(Labelled(), batch_size=4, num_workers=num_workers)
+    assert [[b.tolist() for b in batch] for batch in loader] == want
 
 
 def test_staged_dataset_without_preprocess_uses_the_identity():

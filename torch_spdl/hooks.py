@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch.utils.data import Dataset, IterableDataset
 
@@ -108,11 +108,26 @@ def check_hook(name: str, fn: Any, argument: str) -> None:
 
 
 def _is_staged(dataset: Any) -> bool:
+    """A ``StagedDataset``, or a dataset that defines ``load`` and ``preprocess`` and reads
+    through no ``__getitem__`` (or ``__getitems__``) of its own: where it has one, that is what
+    torch's loader reads, and its ``load`` and ``preprocess`` may be helpers that take other
+    arguments, or leave out what ``__getitem__`` adds (the label)."""
     if isinstance(dataset, StagedDataset):
         return True
-    return getattr(dataset, "load", None) is not None and (
+    hooks = getattr(dataset, "load", None) is not None and (
         getattr(dataset, "preprocess", None) is not None
     )
+    return hooks and not _reads_itself(type(dataset))
+
+
+def _reads_itself(cls: type) -> bool:
+    """Whether ``cls`` defines ``__getitem__`` or ``__getitems__`` below torch's ``Dataset``."""
+    for klass in cls.__mro__:
+        if klass in (Dataset, object, Generic):
+            continue
+        if "__getitem__" in vars(klass) or "__getitems__" in vars(klass):
+            return True
+    return False
 
 
 def resolve_hooks(dataset: Any, load_fn: Any, preprocess_fn: Any) -> Hooks | None:
