@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,38 @@ def test_max_failures_leaves_out_the_samples_of_a_failing_call(num_workers):
     assert {f.stage for f in skipped} == {"load_many"}
     assert sorted(ours.calls) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert ours.single == 0
+
+
+class OneByOne(Store):
+    """The same store without load_many: a sample at a time."""
+
+    load_many = None
+
+
+class Batches(torch.utils.data.Sampler):
+    """Batches as a user's batch sampler may give them: a NumPy array, a tensor, a generator,
+    a one-sample array (whose truth value is its sample's: 0 is false)."""
+
+    def __iter__(self):
+        yield np.array([1, 2])
+        yield torch.tensor([3, 4])
+        yield (i for i in [5, 6, 7])
+        yield np.array([0])
+
+    def __len__(self):
+        return 4
+
+
+@pytest.mark.parametrize("store", [Store, OneByOne])
+@pytest.mark.parametrize("max_failures", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_of_any_iterable_read_as_torchs(store, max_failures, num_workers):
+    """torch's fetcher only iterates a batch; so does every path here."""
+    want = torch_batches(store(n=8), batch_sampler=Batches())
+    loader = torch_spdl.DataLoader(
+        store(n=8), batch_sampler=Batches(), num_workers=num_workers, max_failures=max_failures
+    )
+    assert [b.tolist() for b in loader] == want
 
 
 def test_a_wrong_number_of_samples_is_an_error_that_says_so():

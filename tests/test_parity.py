@@ -1214,7 +1214,7 @@ def masked_epochs(loader: Any) -> list[list[int]]:
 
 
 def tensors_in(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
         return [batch]
     return [tensor for item in batch for tensor in tensors_in(item)]
 
@@ -1223,9 +1223,23 @@ def as_they_are(samples: list[Any]) -> list[Any]:
     return samples
 
 
+class NumPyRows(tud.Dataset):
+    """Rows of one array the dataset keeps: each sample a NumPy view of it."""
+
+    def __init__(self) -> None:
+        self.rows = np.arange(12, dtype=np.float32).reshape(6, 2)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.rows[index]
+
+
 DATASETS = {
     "TensorDataset": lambda: tud.TensorDataset(torch.arange(12).view(6, 2)),
     "IterableDataset": Windows,
+    "NumPy rows": NumPyRows,
 }
 
 

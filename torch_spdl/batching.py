@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -32,13 +33,16 @@ def finisher(collate_fn: Collate, pin: Collate | None, own: bool = False) -> Col
     if pin is not None:
         return lambda data: pin(collate_fn(data))
     if own and collate_fn is not default_collate:
-        return lambda data: owned(collate_fn(data))
+        return lambda data: owned(collate_fn(data), data)
     return collate_fn
 
 
-def owned(batch: Any) -> Any:
+def owned(batch: Any, samples: Any = None) -> Any:
     """``batch`` with each CPU tensor that is a view into a larger one copied, unless the larger
-    one is the batch's own.
+    one is the batch's own; and each that shares the memory of a NumPy array in ``samples``
+    (what ``collate_fn`` was given) that is a view of another array or buffer (a row of the
+    dataset's array: ``default_convert`` and ``torch.as_tensor`` share its memory), as each
+    such NumPy array in the batch itself.
 
     A batch from torch's worker process is a copy, so a training loop may change it in place
     (mask tokens, normalise) without touching the dataset. A worker thread's batch is what
@@ -56,15 +60,45 @@ def owned(batch: Any) -> Any:
         return tensor
 
     map_tensors(batch, note)
-    return map_tensors(batch, lambda tensor: _owned(tensor, whole))
+    borrowed = [] if samples is None else _borrowed(samples)
+    batch = map_tensors(batch, lambda tensor: _owned(tensor, whole, borrowed))
+    return map_tensors(batch, _owned_array, leaf=np.ndarray)
 
 
-def _owned(tensor: torch.Tensor, whole: set[int]) -> torch.Tensor:
+def _owned_array(array: np.ndarray) -> np.ndarray:
+    """A NumPy array in the batch (a ``collate_fn`` that passes samples through) that is a view
+    of another's memory (the dataset's rows), copied, as torch's workers' pickling copies it."""
+    return array if array.base is None else array.copy()
+
+
+def _owned(tensor: torch.Tensor, whole: set[int], borrowed: list[tuple[int, int]]) -> torch.Tensor:
     if tensor.device.type != "cpu" or tensor.layout != torch.strided:
         return tensor
+    at = tensor.data_ptr()
+    if any(start <= at < end for start, end in borrowed):
+        return tensor.clone()
     if _memory(tensor) in whole:
         return tensor
     return tensor.clone()
+
+
+def _borrowed(samples: Any) -> list[tuple[int, int]]:
+    """The memory, ``[start, end)``, behind the NumPy arrays in ``samples`` that are views of
+    another array (all of its outermost base's) or of a buffer (their own extent)."""
+    spans: list[tuple[int, int]] = []
+
+    def note(array: np.ndarray) -> np.ndarray:
+        base = array
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if base is not array:
+            spans.append((base.ctypes.data, base.ctypes.data + base.nbytes))
+        elif array.base is not None:
+            spans.append((array.ctypes.data, array.ctypes.data + array.nbytes))
+        return array
+
+    map_tensors(samples, note, leaf=np.ndarray)
+    return spans
 
 
 def _fills_its_memory(tensor: torch.Tensor) -> bool:
@@ -168,11 +202,11 @@ def tolerant_batch(
     ``getitems`` (a dataset's ``__getitems__``), where given, reads the batch at once; if it
     raises, the samples are read one by one through ``steps`` to find out which of them fail.
     """
-    indices = index if auto_collation else [index]
+    indices = list(index) if auto_collation else [index]
     data = None
     if getitems and auto_collation:
         try:
-            data = getitems(indices)
+            data = getitems(index)  # the batch as the sampler gave it, as torch passes it
             budget.saw(len(indices), at)
         except Exception:
             data = None
@@ -219,9 +253,10 @@ def batch_tasks(batch: Any, auto_collation: bool) -> list[SampleTask]:
     """The tasks of one batch: one per sample, or one without a sample for an empty batch."""
     if not auto_collation:
         return [SampleTask(batch, 0, 1, batch)]
-    if len(batch) == 0:
-        return [SampleTask(None, 0, 0, batch)]
-    return [SampleTask(index, position, len(batch), batch) for position, index in enumerate(batch)]
+    indices = list(batch)  # torch's fetcher only iterates it: a generator, array or tensor too
+    if not indices:
+        return [SampleTask(None, 0, 0, indices)]
+    return [SampleTask(index, n, len(indices), indices) for n, index in enumerate(indices)]
 
 
 def sample_stage(fn: Callable[[Any], Any], arg: Callable[[SampleTask], Any]) -> Callable:

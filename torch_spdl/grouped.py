@@ -57,7 +57,8 @@ def loads_many(load_many: Callable[[list[Any]], Any]) -> Callable[[list[Any]], l
     """A sync ``load_many`` as a checked call: one raw sample per index, none asked of it for
     no index (an empty batch)."""
 
-    def load_all(indices: list[Any]) -> list[Any]:
+    def load_all(batch: Iterable[Any]) -> list[Any]:
+        indices = list(batch)  # a batch sampler's batch may be any iterable (torch iterates it)
         return checked(load_many(indices), len(indices)) if indices else []
 
     return load_all

@@ -260,7 +260,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         auto, finish, budget = self._auto_collation, self._finish, self._budget
 
         def fetch(task: FetchTask) -> Any:
-            indices = task.index if auto else [task.index]
+            indices = list(task.index) if auto else [task.index]
             try:
                 raws = load_all(indices)
             except Exception as error:
@@ -871,6 +871,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 raise iterator_error("_SingleProcessDataLoaderIter requires timeout == 0")
             return
         self._num_workers = operator.index(self._num_workers)
+        if self._num_workers < 0:  # assigned after __init__, which refuses it
+            raise iterator_error(
+                "num_workers must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
         factor: Any = loader.prefetch_factor  # whatever was assigned: torch's checks judge it
         self._prefetch_factor = factor
         self._in_order = loader.in_order
