@@ -36,6 +36,7 @@ from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 from torch_spdl.bench.images import classic_transform
 from torch_spdl.bench.measure import auto_executor
 from torch_spdl.bench.training import read_bytes, tensor_transform
+from torch_spdl.cpus import cores
 
 METHODS = ("thread", "process", "auto")
 
@@ -111,7 +112,7 @@ def measure(dataset: Any, rounds: int, common: dict[str, Any]) -> dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=cores(), help="default: the usable cores")
     parser.add_argument("--workloads", default="pil,tensor,matmul,numpy")
     parser.add_argument("--images", type=int, default=2048, help="samples per pass")
     args = parser.parse_args()

@@ -45,7 +45,6 @@ priority against 10 below it).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ from torchvision import transforms
 import torch_spdl
 from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
 from torch_spdl.bench.images import FastImages, collate
+from torch_spdl.cpus import cores
 from torch_spdl.io import RandomResizedCrop, device_decode
 
 GPU, GPU_HW = "torch_spdl:gpu-decode", "torch_spdl:gpu-decode-hw"
@@ -262,7 +262,7 @@ def table(runs: dict[str, list[Run]], trainer: Trainer, args: argparse.Namespace
     torch_rate = statistics.median(r.images_per_s for r in reference) if reference else None
     lines = [
         f"{trainer.name}, batch {args.batch_size}, {args.workers} workers, {args.steps} timed "
-        f"steps, medians of {args.rounds} interleaved rounds; {os.cpu_count()} CPUs, "
+        f"steps, medians of {args.rounds} interleaved rounds; {cores()} cores usable, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
         + (", persistent workers" if args.persistent else ""),
         "",
@@ -292,7 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", help="an ImageFolder (default: the bench's synthetic one)")
     parser.add_argument("--images", type=int, default=4096, help="synthetic images if no --data")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    # the cores this process may use (affinity, cgroup quota), one left to the training loop
+    parser.add_argument("--workers", type=int, default=max(1, cores() - 1))
     parser.add_argument("--batch-size", type=int, default=None, help="256 on a GPU, 32 on CPU")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)

@@ -16,7 +16,7 @@ from a fork server. Rounds alternate the two; medians over passes 2 and later (t
 also starts the fork server).
 
 Usage: ``python benchmarks/worker_start.py [--rounds R] [--batches N] [--workers W]
-[--images I]`` (``--workers`` follows the host: 15 on a 16-core one).
+[--images I]`` (``--workers`` follows the host: the cores it may use less one, 15 on a 16-core one).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torchvision import datasets
 import torch_spdl
 from torch_spdl.bench import images, training
 from torch_spdl.bench.data import ImageSpec, synthetic_imagefolder
+from torch_spdl.cpus import cores
 
 
 def one_pass(loader: Any, step: training.Step, batches: int) -> tuple[float, float, float]:
@@ -55,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=max(1, cores() - 1))
     parser.add_argument("--images", type=int, default=ImageSpec().images)
     args = parser.parse_args()
     root = synthetic_imagefolder(ImageSpec(images=args.images))

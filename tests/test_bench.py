@@ -303,10 +303,48 @@ def fake_results() -> list[Result]:
     ]
 
 
-def test_targets_are_ratios_of_the_right_loaders():
+def test_the_fork_server_is_not_torchs_memory():
+    """torch_spdl's worker processes leave multiprocessing's fork server and resource tracker
+    up; the PSS of torch's loader measured after them does not carry them, and those helpers
+    are found by their command line."""
+    list(torch_spdl.DataLoader(list(range(8)), num_workers=1, worker_method="process"))
+    assert helper_pids() and set(memory.helpers()) == helper_pids()
+    mine = memory.tree(os.getpid())
+    assert helper_pids() <= set(mine)
+    assert not helper_pids() & set(memory.tree(os.getpid(), passed=memory.helpers()))
+
+
+class Decided:
+    """A loader whose "auto" decided as ``executor`` says."""
+
+    worker_method = "auto"
+
+    def __init__(self, executor: str) -> None:
+        self.executor = executor
+
+    def stats(self):
+        return self
+
+
+def test_a_pass_that_ran_on_threads_is_labelled_so():
+    """"auto" chose processes for the next pass: this one ran on its threads."""
+    from torch_spdl.bench.measure import auto_executor
+
+    chose = "worker_method='auto' chose process: the GIL binds it"
+    assert auto_executor(Decided(chose)) == "auto: process"
+    later = f"{chose}; worker processes {auto.NEXT_PASS}"
+    assert auto_executor(Decided(later)) == "auto: thread (process from the next pass)"
+
+
+def test_targets_are_ratios_of_the_right_loaders(monkeypatch):
+    monkeypatch.setattr(targets, "cores", lambda: 16)  # 2 workers keep 2 of them busy
     found = {t.name: t for t in targets.evaluate(fake_results())}
     limit = found["A: speed, torch_spdl (2) / 2-core limit (2 × plain loop, 1 thread)"]
     assert limit.value == pytest.approx(185 / 200) and limit.met
+    monkeypatch.setattr(targets, "cores", lambda: 1)  # a 1-core quota: 2 workers share it
+    found_on_one = {t.name: t for t in targets.evaluate(fake_results())}
+    one = found_on_one["A: speed, torch_spdl (2) / 1-core limit (1 × plain loop, 1 thread)"]
+    assert one.value == pytest.approx(185 / 100)
     swap = found["A: speed, torch_spdl (2) / torch (2)"]
     assert swap.value == pytest.approx(185 / 180) and not swap.met  # needs 1.1x
     hooks = found["A: speed, torch_spdl hooks+fast path (2) / torch (2)"]

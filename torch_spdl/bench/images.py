@@ -17,9 +17,9 @@ Three loaders read the same files:
   and ``torch_spdl hooks+fast path, whole decode`` runs the same with the whole image decoded.
 
 All three yield ``(images, labels)`` with images of shape ``(64, 3, 224, 224)`` and dtype uint8,
-which every measurement asserts on its first batch. The "2-core limit" is twice the rate of the
-torch variant's own per-sample work (``dataset[i]``) called in a plain loop in this thread, measured
-in the same rounds.
+which every measurement asserts on its first batch. The "core limit" is the rate of the torch
+variant's own per-sample work (``dataset[i]``) called in a plain loop in this thread, measured in
+the same rounds, times the cores its workers can use (2 on the development machine).
 """
 
 from __future__ import annotations

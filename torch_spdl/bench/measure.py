@@ -28,7 +28,10 @@ from typing import Any, cast
 
 import torch
 
-from .memory import PeakPss
+import torch_spdl
+from torch_spdl.auto import NEXT_PASS
+
+from .memory import PeakPss, helpers
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,10 @@ def measure(variant: Variant) -> Sample:
     first = batch = None
     steps: list[float] = []
     step_cpu = 0.0
-    with PeakPss(exclude=variant.exclude_pids) as pss:
+    # torch_spdl's fork server and resource tracker, left up by an earlier variant, are not
+    # torch's loader's memory; a torch_spdl loader carries them (memory.helpers)
+    passed = () if isinstance(loader, torch_spdl.DataLoader) else helpers()
+    with PeakPss(exclude=variant.exclude_pids, passed=passed) as pss:
         start, cpu, sampler_cpu = time.perf_counter(), time.process_time(), pss.cpu_s()
         iterator = iter(loader)
         for batch in iterator:
@@ -159,7 +165,10 @@ def auto_executor(loader: Any) -> str:
     prefix = "worker_method='auto' chose "
     if not decision.startswith(prefix):
         return ""
-    return "auto: " + decision[len(prefix) :].split(":")[0]
+    chose = decision[len(prefix) :].split(":")[0]
+    if NEXT_PASS in decision:  # this pass ran on the threads it measured on
+        return f"auto: thread ({chose} from the next pass)"
+    return "auto: " + chose
 
 
 @dataclass

@@ -7,7 +7,10 @@ tree counts every page it uses once, and pages a worker copies on write (Python'
 counts make reading an object a write: "copy-on-read") show up as they happen. The kernel computes
 it per process in ``/proc/<pid>/smaps_rollup``; the tree is the process and all its descendants,
 found through the parent pid in ``/proc/<pid>/stat``. Processes that are not part of what is
-measured (the benchmark's HTTP server) are left out with their descendants.
+measured (the benchmark's HTTP server) are left out with their descendants. multiprocessing's
+fork server and resource tracker can be left out themselves (:func:`helpers`), their descendants
+(a fork server's workers) still counted: torch_spdl's worker processes start them, and they
+outlive the loader, so without that every later measurement would carry them, torch's included.
 
 Sampling is not free (see :meth:`PeakPss._run`), so the sampler keeps to a small CPU budget
 and the caller adds a reading at the moment that matters most.
@@ -64,19 +67,38 @@ def children(pid: int | None = None) -> set[int]:
     return {child for child, parent in parents().items() if parent == pid}
 
 
-def tree(root: int, exclude: Iterable[int] = ()) -> list[int]:
-    """``root`` and its descendants, without the processes in ``exclude`` and their descendants."""
+def tree(root: int, exclude: Iterable[int] = (), passed: Iterable[int] = ()) -> list[int]:
+    """``root`` and its descendants, without the processes in ``exclude`` and their descendants,
+    nor those in ``passed`` (whose descendants are kept)."""
     children: dict[int, list[int]] = {}
     for pid, ppid in parents().items():
         children.setdefault(ppid, []).append(pid)
-    skipped = set(exclude)
+    skipped, unread = set(exclude), set(passed)
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
         if pid in skipped:
             continue
-        found.append(pid)
+        if pid not in unread:
+            found.append(pid)
         todo.extend(children.get(pid, ()))
+    return found
+
+
+HELPERS = ("multiprocessing.forkserver import main", "multiprocessing.resource_tracker import main")
+
+
+def helpers(root: int | None = None) -> list[int]:
+    """The descendants of ``root`` (this process) that are multiprocessing's fork server or
+    resource tracker, by their command line."""
+    found = []
+    for pid in tree(os.getpid() if root is None else root):
+        try:
+            command = (PROC / str(pid) / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if any(helper in command for helper in HELPERS):
+            found.append(pid)
     return found
 
 
@@ -119,9 +141,11 @@ class PeakPss:
         exclude: Iterable[int] = (),
         interval: float = 0.25,
         duty: float = 0.05,
+        passed: Iterable[int] = (),
     ) -> None:
         self.root = os.getpid() if root is None else root
         self.exclude = tuple(exclude)
+        self.passed = tuple(passed)  # not read themselves; their descendants are (see tree)
         self.interval = interval
         self.duty = duty
         self.peak = 0
@@ -134,7 +158,7 @@ class PeakPss:
 
     def read(self, pids: list[int] | None = None) -> int:
         """Read the tree's PSS now (``pids``: the tree, if just listed) and update the peak."""
-        pids = tree(self.root, self.exclude) if pids is None else pids
+        pids = tree(self.root, self.exclude, self.passed) if pids is None else pids
         start = time.perf_counter()
         value = sum(pss(pid) for pid in pids)
         took = time.perf_counter() - start
@@ -157,7 +181,7 @@ class PeakPss:
         last = time.perf_counter()
         while not self._stop.wait(self.interval):
             began = time.thread_time()
-            pids = tree(self.root, self.exclude)
+            pids = tree(self.root, self.exclude, self.passed)
             if time.perf_counter() - last >= len(pids) * self._per_process / self.duty:
                 self.read(pids)
                 last = time.perf_counter()

@@ -4,7 +4,7 @@ Three views, each measured in the same process as the loaders:
 
 - :func:`stage_costs`: milliseconds of CPU per sample for each step of both paths, in one
   thread with no loader. Thread CPU time rather than wall time, so other programs on the
-  machine barely move it. ``2 / cost`` is a path's 2-core limit; the steps say which dominates.
+  machine barely move it. ``N / cost`` is a path's limit on N cores; the steps say which dominates.
 - :func:`thread_scaling`: the per-sample function alone in a plain pool of 1 and of 2 threads.
   Its speed-up at 2 threads, and the 2 threads' wait for the GIL, are what the GIL lets that
   code reach before any loader is involved.

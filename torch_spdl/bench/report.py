@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..cpus import cores
 from .measure import TORCH, Result
 from .series import ALONE, PLAIN
 from .targets import Lookup, Target
@@ -57,6 +58,11 @@ def torch_best(results: Sequence[Result], workload: str) -> Result | None:
     return Lookup(results).fastest(workload, TORCH)
 
 
+def _seconds(value: float) -> str:
+    """Two significant digits at least: workload C's CPU per 1,000 samples is a few 0.0001 s."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+
+
 def _ratio(mine: float, theirs: float | None) -> str:
     return "" if not theirs else f"{mine / theirs:.2f}"
 
@@ -64,8 +70,9 @@ def _ratio(mine: float, theirs: float | None) -> str:
 def table(results: Sequence[Result], rounds: int) -> str:
     """Medians over ``rounds``, one row per variant, in the order they were defined."""
     lines = [
-        f"Medians of {rounds} interleaved round(s); × torch: ratio to torch's fastest loader "
-        "of the same workload.",
+        f"Medians of {rounds} interleaved round(s); × torch: ratio to the fastest row of "
+        "torch's `DataLoader` series of the same workload (for D, its PIL path; the tensor "
+        "paths' own ratio is in the targets).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" if i < 3 or i == 11 else "---:" for i in range(len(COLUMNS))) + "|",
@@ -85,7 +92,7 @@ def table(results: Sequence[Result], rounds: int) -> str:
             _ratio(result.first_batch, ref.first_batch if ref else None),
             f"{result.peak_pss / MIB:,.0f}",
             _ratio(result.peak_pss, ref.peak_pss if ref else None),
-            f"{result.main_cpu:.2f}",
+            _seconds(result.main_cpu),
             _ratio(result.step, alone.step if alone else None) if result.step else "",
             "; ".join(text for text in (result.note, result.executors) if text),
         ]
@@ -130,7 +137,8 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> None:
 def plot(results: Sequence[Result], path: Path) -> None:
     """Throughput and peak PSS against workers, a line per loader, a column per workload.
 
-    Workload A also gets the plain loop's rate and twice it (the 2-core limit) as flat lines.
+    Workload A also gets the plain loop's rate and that times the cores (the core limit) as flat
+    lines.
     Matplotlib's object API with no pyplot: nothing global, no display needed (Agg renders PNG).
     """
     from matplotlib.figure import Figure  # imported here: the bench extra, not a dependency
@@ -153,8 +161,9 @@ def plot(results: Sequence[Result], path: Path) -> None:
             top.axhline(
                 plain.rate, color="grey", linestyle=":", label="torch's transform, 1 thread"
             )
+            n = cores()
             top.axhline(
-                2 * plain.rate, color="black", linestyle="--", label="2-core limit (2 × that)"
+                n * plain.rate, color="black", linestyle="--", label=f"{n}-core limit ({n} × that)"
             )
         top.set_title(WORKLOAD_TITLES.get(workload, workload), fontsize=10)
         top.set_ylabel("samples/s (median)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..cpus import cores
 from . import remote, series, strings
 from .measure import TORCH, Result
 
@@ -101,13 +102,14 @@ def images_targets(find: Lookup) -> list[Target]:
     found: list[Target] = []
     swapped = find.at("A", series.SWAPPED, best.workers)
     if swapped is not None:
+        n = core_limit(swapped.workers)
         found.append(
             Target(
-                f"A: speed, {label(swapped)} / 2-core limit (2 × {series.PLAIN})",
-                swapped.rate / (2 * plain.rate),
+                f"A: speed, {label(swapped)} / {n}-core limit ({n} × {series.PLAIN})",
+                swapped.rate / (n * plain.rate),
                 0.9,
                 True,
-                f"{swapped.rate:,.0f} vs 2 × {plain.rate:,.0f} samples/s",
+                f"{swapped.rate:,.0f} vs {n} × {plain.rate:,.0f} samples/s",
             )
         )
         found += [speed(swapped, best, 1.1), first_batch(swapped, best)]
@@ -115,6 +117,12 @@ def images_targets(find: Lookup) -> list[Target]:
     if hooks is not None:
         found += [speed(hooks, best, 1.6), first_batch(hooks, best)]
     return found
+
+
+def core_limit(workers: int) -> int:
+    """The cores ``workers`` workers can keep busy here: the most the per-sample work can run
+    at is that many times its rate in one plain loop."""
+    return max(1, min(workers, cores()))
 
 
 def remote_targets(find: Lookup) -> list[Target]:
