@@ -327,7 +327,7 @@ class Decided:
 
 
 def test_a_pass_that_ran_on_threads_is_labelled_so():
-    """"auto" chose processes for the next pass: this one ran on its threads."""
+    """ "auto" chose processes for the next pass: this one ran on its threads."""
     from torch_spdl.bench.measure import auto_executor
 
     chose = "worker_method='auto' chose process: the GIL binds it"
