@@ -210,6 +210,32 @@ def test_views_of_a_tensor_sent_whole_arrive_as_views_of_it(reply_segments: str,
 
 
 @pytest.mark.usefixtures("sends_shared_memory")
+@pytest.mark.parametrize("elements", [10, 3 * messages.INLINE_BYTES], ids=["by-value", "copied"])
+def test_two_tensors_over_one_buffer_arrive_whole(reply_segments: str, elements: int):
+    """from_numpy of an array's start, then of the array: storages of their own at one
+    address; the longer is no view of the shorter."""
+    ids = np.arange(elements, dtype=np.int64)
+    sent = {"prefix": torch.from_numpy(ids[:10]), "ids": torch.from_numpy(ids)}
+    back = pickle.loads(messages.dumps(sent, reply=True))
+    assert torch.equal(back["prefix"], sent["prefix"]) and torch.equal(back["ids"], sent["ids"])
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
+def test_sparse_and_nested_tensors_after_a_dense_one_cross_as_torchs_reductions_send_them(
+    reply_segments: str,
+):
+    """A sparse tensor has no storage to look up, a strided nested tensor no strides: after a
+    dense tensor (which starts the message's record of what it sent whole) they go to torch's
+    own reductions, as from torch's workers."""
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)])
+    sent = (torch.ones(3), torch.eye(3).to_sparse(), torch.eye(3).to_sparse_csr(), nested)
+    dense, coo, csr, back = pickle.loads(messages.dumps(sent, reply=True))
+    assert torch.equal(dense, sent[0])
+    assert torch.equal(coo.to_dense(), torch.eye(3)) and torch.equal(csr.to_dense(), torch.eye(3))
+    assert [t.tolist() for t in back.unbind()] == [t.tolist() for t in nested.unbind()]
+
+
+@pytest.mark.usefixtures("sends_shared_memory")
 def test_received_segments_are_given_back_once_pinned_copies_hold_the_batch(reply_segments: str):
     """After pinning (a copy here, as ``pin_memory`` makes one), the memory a batch arrived in is
     given back: to the worker that sent it, or freed; a tensor the pinned batch still holds as

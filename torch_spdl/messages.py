@@ -40,6 +40,7 @@ def _plain(tensor: torch.Tensor) -> bool:
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
+        and not tensor.is_nested  # strided in layout, but without strides of its own
         and not tensor.requires_grad
         and not tensor.is_quantized
         and not tensor.is_conj()
@@ -131,11 +132,19 @@ class _Pickler(ForkingPickler):
         self.whole: dict[int, torch.Tensor] = {}  # memory → the tensor sent with all of it
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
+        # torch's reductions send the rest (sparse tensors have no storage to look up)
+        if not isinstance(obj, torch.Tensor) or not _plain(obj):
             return NotImplemented
-        # a view of a tensor this message sent whole already (none yet: nothing to look up)
-        base = self.whole.get(obj.untyped_storage().data_ptr()) if self.whole else None
-        if base is not None and base.dtype == obj.dtype and _plain(obj):
+        # a view of a tensor this message sent whole already (none yet: nothing to look up);
+        # two tensors over one buffer (from_numpy of an array and of its start) have storages
+        # of their own at one address: only one within the other's bytes is its view
+        storage = obj.untyped_storage()
+        base = self.whole.get(storage.data_ptr()) if self.whole else None
+        if (
+            base is not None
+            and base.dtype == obj.dtype
+            and storage.nbytes() <= base.untyped_storage().nbytes()
+        ):
             return _view_of, (base, tuple(obj.shape), obj.stride(), obj.storage_offset())
         order = _inline(obj)
         if order is not None:

@@ -459,6 +459,8 @@ class _Processes:
         except BaseException:  # a Ctrl-C in the wait: no grace, and no process left behind
             for worker in self.workers:
                 worker.process.kill()
+            for worker in self.workers:
+                worker.process.join()  # reaped (killed, it exits at once): no zombie either
             raise
         for worker in self.workers:
             _terminate(worker.process)
