@@ -219,9 +219,10 @@ class Hoarding(torch.utils.data.Dataset):
 @pytest.mark.skipif(not memory.available(), reason="PSS needs Linux's smaps_rollup")
 def test_measure_reads_memory_while_torchs_workers_are_still_alive():
     """A whole pass is counted out, not run to exhaustion, after which torch stops its workers."""
-    # this process and multiprocessing's long-lived helpers, not the whole tree: a child of an
-    # earlier test still exiting would count in the base and be gone by the peak
-    base = sum(memory.pss(pid) for pid in {os.getpid(), *helper_pids()})
+    # this process, not the whole tree: a child of an earlier test still exiting would count in
+    # the base and be gone by the peak; multiprocessing's long-lived helpers (which torch_spdl's
+    # worker processes start) are not torch's loader's memory, and its measurement leaves them out
+    base = memory.pss(os.getpid())
     make = lambda: torch.utils.data.DataLoader(Hoarding(), batch_size=2, num_workers=2)
     sample = measure(Variant("C", "torch", 2, make, 0, len))
     assert sample.samples == 8
