@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import itertools
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -1397,12 +1396,18 @@ def test_a_pass_that_goes_inline_moves_at_a_batch_boundary(no_leak, decides, shu
 
 
 class Raises(Dataset):
+    """Sample i is i, but sample 150,000 raises ``error(150_000)`` (``SystemExit``: as
+    ``sys.exit`` does)."""
+
+    def __init__(self, error: type[BaseException] = KeyError) -> None:
+        self.error = error
+
     def __len__(self) -> int:
         return 200_000
 
     def __getitem__(self, index: int) -> int:
         if index == 150_000:
-            raise KeyError(index)
+            raise self.error(index)
         return index
 
 
@@ -1425,22 +1430,12 @@ def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides,
         del error
 
 
-class Exits(Dataset):
-    def __len__(self) -> int:
-        return 200_000
-
-    def __getitem__(self, index: int) -> int:
-        if index == 150_000:
-            sys.exit(3)
-        return index
-
-
 def test_a_system_exit_in_an_inline_batch_fails_the_batch(no_leak, decides):
     """With workers, SystemExit in ``__getitem__`` fails its batch as a RuntimeError (torch's
     worker would die, and its loader raise one); "auto" moving the stage into the loop's thread
     does not turn it into the end of the training script."""
     decides(INLINE)
-    loader = torch_spdl.DataLoader(Exits(), batch_size=64, num_workers=2)
+    loader = torch_spdl.DataLoader(Raises(SystemExit), batch_size=64, num_workers=2)
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"Caught SystemExit in stage 'fetch' for dataset"):
             for _ in loader:

@@ -940,9 +940,8 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         batch_size = iterator._iterable_batch_size()
         job: Job = IterableJob(iterator._streams, auto, collate, iterator._drop_last, batch_size)
     elif (whole := plan.whole) is not None:
-        io_threads = -(
-            -loader._options.io_workers // iterator._num_workers
-        )  # the load stage's, shared
+        io_workers = loader._options.io_workers  # the load stage's threads, shared among them
+        io_threads = -(-io_workers // iterator._num_workers)
         job = WholeJob(loader.dataset, auto, collate, hooks=whole, io_threads=io_threads)
     elif plan.hooks is None:
         job = FetchJob(loader.dataset, auto, collate, records=plan.copies)

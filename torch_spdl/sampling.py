@@ -338,10 +338,10 @@ class WorkerStreams:
       already). torch's workers each iterate their own copy, so a dataset whose ``__iter__``
       returns ``self``, or keeps its position on ``self``, works there. A thread gets
       ``copy.copy(dataset)`` (:func:`~torch_spdl.worker_state.own_copy`): attributes set on it
-      are its own, while what they refer to (lists,
-      arrays, file handles) is shared, not copied. A dataset controls this with ``__copy__``
-      (returning ``self`` shares one object between the workers). An ``IterDataPipe`` graph keeps
-      its iterators in its nodes, so it is deep-copied, as torch pickles it for each worker.
+      are its own, while what they refer to (lists, arrays, file handles) is shared, not
+      copied. A dataset controls this with ``__copy__`` (returning ``self`` shares one object
+      between the workers). An ``IterDataPipe`` graph keeps its iterators in its nodes, so it
+      is deep-copied, as torch pickles it for each worker.
     - **Split by rank** where ``ranks`` is given (:class:`RankShard`). A datapipe is split
       between the workers at its ``sharding_filter`` (``apply_sharding``), as torch's workers do;
       where we do not split it by rank, torch's loader would, there too: over ranks × workers.
