@@ -218,7 +218,18 @@ def test_threads_that_keep_one_core_busy_take_turns_on_the_gil():
 def test_a_cheap_gil_bound_batch_runs_inline_where_it_can():
     figures = measured(stage_wait=0.6, batch_cpu_ms=0.2)
     assert decide(figures, cpus=16).executor == INLINE
-    assert decide(figures, cpus=16, inline_possible=False).executor == PROCESS
+    assert decide(figures, cpus=16, inline_possible=False).executor == THREAD
+
+
+def test_a_cheap_gil_bound_batch_that_cannot_run_inline_stays_on_threads():
+    """Workload B's ``preprocess`` (bytes to a tensor, 0.6-0.7 ms a batch of 16) behind 64
+    requests on one event loop: its threads wait for the GIL the loop holds, and worker
+    processes made 0.6× the threads' speed at 1.8× their main-process CPU, unpickling what the
+    threads would have made (docs/performance.md, "Workload B's preprocess stays on threads")."""
+    b = measured(stage_wait=0.3, batch_cpu_ms=0.7, busy_cores=1.5, workers=2, consumer_cpu=0.01)
+    decision = decide(b, cpus=16, inline_possible=False)
+    assert decision.executor == THREAD and "costs less than a hand-off" in decision.reason
+    assert decide(measured(stage_wait=0.3, batch_cpu_ms=2.0), cpus=16).executor == PROCESS
 
 
 STATE = "Records sets file on itself as it reads"
@@ -862,8 +873,9 @@ def test_a_decision_deferred_to_the_next_pass_is_kept_and_leaves_this_pass_on_th
 
 # -- the measurement --------------------------------------------------------------------------
 def python_work(task: int) -> int:
+    """A few ms of pure Python: above ``INLINE_BATCH_S``, where processes pay for a hand-off."""
     total = 0
-    for k in range(20_000):
+    for k in range(100_000):
         total += k
     return task
 

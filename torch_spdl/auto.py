@@ -28,7 +28,8 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   I/O, which threads do well.
 - **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
   GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
-  process costs about as much as the work.
+  process costs about as much as the work. A stage that cannot run there (a ``preprocess``
+  behind a ``load``, a loader with a deadline) stays on its threads, for the same reason.
 - **processes** too, whatever the GIL does, for a dataset that sets state on itself as its
   threads first read it (a handle each of torch's workers would have its own of:
   :mod:`torch_spdl.worker_state`); where they cannot start, its threads take turns.
@@ -512,13 +513,8 @@ def decide(
             return Decision(THREAD, why, measured, free=True, measure_again=True)
         return Decision(THREAD, why, measured, free=True)
     bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
-    if inline_possible and measured.batch_cpu_s < INLINE_BATCH_S:
-        return Decision(
-            INLINE,
-            f"{bound}, and a batch costs less than a hand-off to a process: "
-            "it runs in the training loop's thread",
-            measured,
-        )
+    if measured.batch_cpu_s < INLINE_BATCH_S:
+        return _cheap(measured, bound, inline_possible)
     if no_processes is not None:
         return Decision(THREAD, f"{bound}, but {no_processes}", measured)
     if cpus < 2:
@@ -533,6 +529,26 @@ def decide(
             PROCESS, f"{bound}: worker processes {NEXT_PASS}: {saved}", measured, deferred=True
         )
     return Decision(PROCESS, f"{bound}: worker processes", measured)
+
+
+def _cheap(measured: Measured, bound: str, inline_possible: bool) -> Decision:
+    """A GIL-bound stage whose batch costs less than handing it to a process: processes would
+    spend as much of the main process's GIL unpickling each batch as its threads spend making
+    it, so it runs in the training loop's thread where it can, and stays on its threads where it
+    cannot (a ``preprocess`` stage behind a ``load``, a loader with a deadline)."""
+    if inline_possible:
+        return Decision(
+            INLINE,
+            f"{bound}, and a batch costs less than a hand-off to a process: "
+            "it runs in the training loop's thread",
+            measured,
+        )
+    return Decision(
+        THREAD,
+        f"{bound}, but a batch costs less than a hand-off to a process, "
+        "and it cannot run in the training loop's thread",
+        measured,
+    )
 
 
 def _unsure(measured: Measured, cpus: int, io: bool) -> str | None:
