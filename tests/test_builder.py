@@ -121,6 +121,20 @@ def test_disaggregate_names_an_item_that_is_not_iterable():
     assert "in stage 'disaggregate' for item 7" in results[2][1]
 
 
+def test_disaggregate_fails_only_the_group_whose_elements_raise_as_they_are_read():
+    """A group that is an iterator is read by disaggregate itself: an error there fails that
+    group, named, and the groups after it still come, as for a group that is not iterable."""
+
+    def tenths(group):
+        return (10 // x for x in group)  # lazy: 10 // 0 raises as disaggregate reads it
+
+    pipeline = build([[1, 2], [5, 0, 10], [1]], pipe(tenths), lambda b: b.disaggregate())
+    results = take_all(pipeline)
+    assert results[:3] == [10, 5, 2] and results[4:] == [10]
+    assert "in stage 'disaggregate' for item <generator" in results[3][1]
+    assert "ZeroDivisionError" in results[3][1]
+
+
 # -- ops ------------------------------------------------------------------------------------------
 def test_a_generator_op_yields_any_number_of_items_per_item():
     def repeat(x):

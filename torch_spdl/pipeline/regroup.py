@@ -10,7 +10,7 @@ in its place, so the consumer still raises it and the other items still form who
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,19 +50,38 @@ def aggregate(num_items: int, drop_last: bool = False) -> Values:
 
 
 def disaggregate(name: str) -> Values:
-    """Each value's elements, one by one; a value that is not iterable fails alone, named."""
+    """Each value's elements, one by one; a value that is not iterable, or whose iteration
+    raises (a generator an op returned), fails alone, named, after the elements it gave."""
 
     def elements(values: Iterator[Any]) -> Iterator[Any]:
         for value in values:
             if isinstance(value, Failure):
                 yield value
-                continue
-            try:
-                parts: Iterable[Any] = iter(value)
-            except TypeError:
-                where = f"in stage {name!r} for {describe_item(value)}"
-                yield Failure.capture(where, value, name)
-                continue
-            yield from parts
+            else:
+                yield from _parts(name, value)
 
     return elements
+
+
+def _parts(name: str, value: Any) -> Iterator[Any]:
+    """``value``'s elements, then its Failure if reading them raised: raised here, the error
+    would end the regrouped stream, and with it the items of every value after this one."""
+    try:
+        parts = iter(value)
+    except BaseException:  # not iterable (a TypeError), or its __iter__ raised
+        yield _failed(name, value)
+        return
+    while True:
+        try:
+            part = next(parts)
+        except StopIteration:
+            return
+        except BaseException:  # SystemExit too: it fails the value, not the stream
+            yield _failed(name, value)
+            return
+        yield part  # outside the try: a GeneratorExit here is this generator's own closing
+
+
+def _failed(name: str, value: Any) -> Failure:
+    """The exception being handled, as ``value``'s Failure in stage ``name``."""
+    return Failure.capture(f"in stage {name!r} for {describe_item(value)}", value, name)
