@@ -50,6 +50,16 @@ def take_all(pipeline):
             out.append(("error", str(error)))
 
 
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [(range(5), [0, 1, 2, 3, 4]), ([], []), (iter("abc"), ["a", "b", "c"])],
+    ids=["range", "empty", "iterator"],
+)
+def test_a_source_straight_into_the_sink(items, expected):
+    """SPDL builds a source and a sink with nothing between (its continuous sources' tests)."""
+    assert take_all(build(items)) == expected
+
+
 # -- aggregate / disaggregate ---------------------------------------------------------------------
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_aggregate_groups_consecutive_items_in_input_order(drop_last):
