@@ -164,6 +164,25 @@ def test_an_async_generator_op():
     assert list(pipeline) == [v for x in range(6) for v in (x, x + 0.5)]
 
 
+class Repeat:
+    """A callable object whose ``__call__`` is a generator: SPDL looks at ``op.__call__``."""
+
+    def __call__(self, x):
+        yield from [x] * x
+
+
+class AsyncRepeat:
+    async def __call__(self, x):
+        for _ in range(x):
+            yield x
+
+
+@pytest.mark.parametrize("op", [Repeat(), AsyncRepeat()], ids=["sync", "async"])
+def test_a_callable_object_whose_call_is_a_generator_yields_its_items(op):
+    pipeline = build([1, 0, 3, 2], pipe(op, concurrency=2))
+    assert list(pipeline) == [1, 3, 3, 3, 2, 2]
+
+
 def test_async_op_runs_with_concurrency_calls_in_flight():
     in_flight, most = 0, 0
 

@@ -95,11 +95,12 @@ class Pipe:
 
     @property
     def is_async(self) -> bool:
-        return is_async_callable(self.op) or inspect.isasyncgenfunction(self.op)
+        return is_async_callable(self.op) or inspect.isasyncgenfunction(_call_of(self.op))
 
     @property
     def is_generator(self) -> bool:
-        return inspect.isgeneratorfunction(self.op) or inspect.isasyncgenfunction(self.op)
+        call = _call_of(self.op)
+        return inspect.isgeneratorfunction(call) or inspect.isasyncgenfunction(call)
 
     def _check_executor(self) -> None:
         executor = self.executor
@@ -297,11 +298,20 @@ def _stage(pipe: Pipe, pools: list[Any], worker_nice: int) -> Stage:
     )
 
 
+def _call_of(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """What calling ``op`` runs: a callable object's ``__call__``, where SPDL looks too, so that
+    an object whose ``__call__`` is a generator is a generator op; else ``op`` itself."""
+    if not callable(op):
+        return op
+    call = type(op).__call__  # a function's or a partial's is a slot wrapper, not a function
+    return call if inspect.isfunction(call) else op
+
+
 def _collected(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A generator op as one that returns its items in a list (a disaggregate follows it)."""
-    if inspect.isasyncgenfunction(op):
+    if inspect.isasyncgenfunction(_call_of(op)):
         return functools.partial(_collect_async, op)
-    if inspect.isgeneratorfunction(op):
+    if inspect.isgeneratorfunction(_call_of(op)):
         return functools.partial(_collect, op)
     return op
 
