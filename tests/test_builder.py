@@ -164,6 +164,14 @@ def test_an_async_generator_op():
     assert list(pipeline) == [v for x in range(6) for v in (x, x + 0.5)]
 
 
+def test_a_container_op_is_looked_up_as_spdl_does():
+    """SPDL's op may be a container (a dict, a list, a map-style dataset): ``op[item]``."""
+    names = {0: "zero", 1: "one"}
+    assert list(build([1, 0, 1], pipe(names, concurrency=2))) == ["one", "zero", "one"]
+    results = take_all(build([0, 2], pipe(["a"])))
+    assert results[0] == "a" and "IndexError in stage 'list' for item 2" in results[1][1]
+
+
 class Repeat:
     """A callable object whose ``__call__`` is a generator: SPDL looks at ``op.__call__``."""
 

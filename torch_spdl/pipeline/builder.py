@@ -51,7 +51,7 @@ import functools
 import inspect
 from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -65,6 +65,12 @@ from .stages import Stage, Stream, describe_item, is_async_callable
 ORDERS = ("input", "completion")
 EXECUTORS = ("thread", "process", "async")
 Executor = str | concurrent.futures.Executor | None
+
+
+class Container(Protocol):
+    """What SPDL's ``pipe`` takes besides a callable: something to look items up in."""
+
+    def __getitem__(self, key: Any, /) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ class PipelineBuilder:
 
     def pipe(
         self,
-        op: Callable[[Any], Any],
+        op: Callable[[Any], Any] | Container,
         /,
         *,
         concurrency: int = 1,
@@ -172,12 +178,15 @@ class PipelineBuilder:
         gate: Gate | None = None,
     ) -> PipelineBuilder:
         """Apply ``op`` to every item, ``concurrency`` at a time; a generator op (sync or async)
-        yields any number of items for each. ``describe(item)`` names an item in error messages
-        (default: its shortened repr); ``on_start(i)`` runs once in each of the pipe's threads;
-        ``gate`` lets only the threads numbered below its width take items, until it widens."""
+        yields any number of items for each; a container that is not callable (a dict, a list,
+        a map-style dataset) is looked up, as in SPDL: ``op[item]``. ``describe(item)`` names an
+        item in error messages (default: its shortened repr); ``on_start(i)`` runs once in each
+        of the pipe's threads; ``gate`` lets only the threads numbered below its width take
+        items, until it widens."""
         self._check_open()
         name = name or getattr(op, "__name__", None) or type(op).__name__
-        pipe = Pipe(op, name, concurrency, executor, output_order, describe, on_start, gate)
+        fn: Any = op if callable(op) else getattr(op, "__getitem__", op)  # Pipe checks it
+        pipe = Pipe(fn, name, concurrency, executor, output_order, describe, on_start, gate)
         self._steps.append(pipe)
         if self._steps[-1].is_generator:  # type: ignore[union-attr]
             self._steps.append(_Regroup(name, disaggregate(name)))
