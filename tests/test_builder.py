@@ -273,6 +273,29 @@ def test_an_async_source_that_raises_fails_where_it_raised():
 
 
 # -- SPDL's pipeline methods ----------------------------------------------------------------------
+def first_positive(values):
+    return next(x for x in values if x > 0)  # StopIteration where there is none
+
+
+@pytest.mark.parametrize("take", ["for", "get_iterator", "get_item"])
+def test_an_op_that_raises_stop_iteration_fails_its_item_and_the_pass_goes_on(take):
+    """An op's StopIteration must not end the consumer's loop as if the pass were over: the
+    rest of the pass would be lost, with the threads still running (Python turns a generator's
+    StopIteration into a RuntimeError for the same reason, PEP 479)."""
+    pipeline = build([[1], [-1], [2, 3]], pipe(first_positive))
+    if take == "get_item":
+        results = take_all(pipeline)
+    else:
+        items = iter(pipeline) if take == "for" else pipeline.get_iterator(timeout=30)
+        results = [next(items)]
+        with pytest.raises(RuntimeError) as info:
+            next(items)
+        results += [("error", str(info.value))] + list(pipeline.get_iterator(timeout=30))
+    assert results[0] == 1 and results[2:] == [2]
+    assert "StopIteration in stage 'first_positive' for item [-1]" in results[1][1]
+    assert pipeline.closed  # the pass came to its end
+
+
 def test_get_iterator_times_out_and_get_item_says_eof():
     gate = threading.Event()
 

@@ -337,7 +337,8 @@ class Pipeline(Generic[T]):
     ``source`` is any iterable (pulled by the first stage's threads), a :class:`SharedSource`, or a
     :class:`WorkerSource`. With ``in_order=True`` results come in source order; otherwise as they
     complete. A stage exception is raised by ``next()`` as the same exception type, naming the stage
-    and item, at the failed item's place; the pipeline goes on after it, as torch's DataLoader does.
+    and item, at the failed item's place; the pipeline goes on after it, as torch's DataLoader does
+    (a ``StopIteration``, which would end the consumer's loop, as a ``RuntimeError``).
 
     One pass over the source is one epoch: ``next()`` raises ``StopIteration`` at its end and,
     unless ``persistent=True``, the threads are joined then. A persistent pipeline keeps its
@@ -385,10 +386,29 @@ class Pipeline(Generic[T]):
         return self
 
     def __next__(self) -> T:
-        return self.get()
+        return self._next(None)
 
     def get(self, timeout: float | None = None) -> T:
         """The next result; ``TimeoutError`` if none is ready within ``timeout`` seconds."""
+        value = self._take(timeout)
+        if isinstance(value, Failure):
+            value.reraise()
+        return value
+
+    def _next(self, timeout: float | None) -> T:
+        """:meth:`get`, for a loop over the pass: an op's ``StopIteration`` comes as a
+        ``RuntimeError``, since raised as itself it would end the loop as if the pass were over,
+        losing the rest of it (PEP 479 turns a generator's into one for the same reason)."""
+        value = self._take(timeout)
+        if isinstance(value, Failure):
+            try:
+                value.reraise()
+            except StopIteration as error:
+                raise RuntimeError(str(error)) from error
+        return value
+
+    def _take(self, timeout: float | None) -> T | Failure:
+        """The next result, or the Failure that :meth:`get` raises in its place."""
         if not self._running:
             raise StopIteration
         try:
@@ -409,11 +429,9 @@ class Pipeline(Generic[T]):
             self._running = False
             self._runtime.halt()
             raise
-        if isinstance(value, Failure):
-            if value is self._runtime.failure:
-                self._running = False
-                self.close()
-            value.reraise()
+        if isinstance(value, Failure) and value is self._runtime.failure:
+            self._running = False
+            self.close()
         return value
 
     def restart(self, source: Iterable[Any] | None = None) -> None:
@@ -430,7 +448,7 @@ class Pipeline(Generic[T]):
         """The next result, as SPDL's ``Pipeline.get_item``: ``EOFError`` at the end of the
         pass, ``TimeoutError`` if none is ready within ``timeout`` seconds."""
         try:
-            return self.get(timeout)
+            return self._next(timeout)
         except StopIteration:
             if self._ended:
                 raise EOFError("the pipeline has delivered every item") from None
@@ -440,7 +458,7 @@ class Pipeline(Generic[T]):
         """The rest of the pass, each item waited for at most ``timeout`` seconds."""
         while True:
             try:
-                yield self.get(timeout)
+                yield self._next(timeout)
             except StopIteration:
                 return
 
