@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torch_spdl.pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource
+from torch_spdl.pipeline import Pipeline, SharedSource, Stage, Stream, WorkerSource, ordering
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -277,3 +277,40 @@ def test_on_stop_releases_as_the_pipeline_stops_and_then_runs_once_it_is_closed(
     assert calls == ["release", "then"]
     pipeline.on_stop(lambda: calls.append("late"), then=lambda: calls.append("late then"))
     assert calls == ["release", "then", "late", "late then"]  # closed already: at once
+
+
+class Clock:
+    """A clock that only moves when an item arrives or a wait ends (no real time passes)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class Arrivals:
+    """A channel on ``clock`` whose items arrive ``every`` seconds apart."""
+
+    def __init__(self, items: list[tuple[int, object]], clock: Clock, every: float) -> None:
+        self.items, self.clock, self.every, self.taken = list(items), clock, every, 0
+
+    def get(self, timeout: float | None = None) -> tuple[int, object]:
+        if not self.items or (timeout is not None and timeout < self.every):
+            self.clock.now += timeout if timeout is not None else 0.0
+            raise TimeoutError
+        self.clock.now += self.every
+        self.taken += 1
+        return self.items.pop(0)
+
+
+def test_a_timeout_bounds_the_whole_wait_however_many_later_items_arrive(monkeypatch):
+    """The in-order end waiting for item 0 takes the items after it as they come; the timeout
+    is how long the wait for item 0 may take in all, not the time to the next arrival."""
+    clock = Clock()
+    monkeypatch.setattr(ordering, "time", clock, raising=False)
+    channel = Arrivals([(seq, seq) for seq in range(1, 20)], clock, every=0.4)
+    sink = ordering.Sink(channel, in_order=True, producers=1, release=lambda seq: None)
+    with pytest.raises(TimeoutError):
+        sink.next(timeout=1.0)
+    assert clock.now == pytest.approx(1.0) and channel.taken == 2

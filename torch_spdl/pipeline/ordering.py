@@ -8,6 +8,7 @@ dropped, releasing their in-flight slots.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,15 +74,18 @@ class Sink:
         return False, None
 
     def next(self, timeout: float | None = None) -> Any:
-        """The next value of this epoch; :class:`EpochEnd` when it is done."""
+        """The next value of this epoch; :class:`EpochEnd` when it is done; ``TimeoutError``
+        if it has not come within ``timeout`` seconds, however many later items came meanwhile."""
         self.last_index = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             found, value = self._ready()
             if found:
                 return value
             if self._complete():
                 raise EpochEnd
-            seq, value = self._channel.get(timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            seq, value = self._channel.get(left)
             if isinstance(value, End):
                 if value.epoch == self._epoch:
                     self._ends.append(value)
