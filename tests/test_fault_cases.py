@@ -143,6 +143,22 @@ class BadFrom(StagedDataset):
         return index
 
 
+class TimesOutAt(Dataset):
+    """A fetch over the network whose read times out at ``at`` (``socket.timeout`` is a
+    ``TimeoutError``)."""
+
+    def __init__(self, at: int = 5, n: int = 10):
+        self.at, self.n = at, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        if index == self.at:
+            raise TimeoutError(f"the read of sample {index} timed out")
+        return index
+
+
 class RaisesAtIndex(Sampler[int]):
     """A sampler that raises at its ``at``-th index (a corrupt index file, say)."""
 
@@ -191,6 +207,20 @@ def test_sys_exit_without_workers_raises_itself_as_torchs_does():
     for make in (torch.utils.data.DataLoader, DataLoader):
         with pytest.raises(SystemExit, match="sample 5"):
             list(make(ExitsAt(), batch_size=2))
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param({}, id="inline"), *WORKERS])
+def test_a_timeout_error_of_the_datasets_fails_its_batch_as_torch_raises_it(kwargs):
+    """The dataset's TimeoutError is its batch's error, not the loader's wait running out."""
+    expected, _ = run_to_the_end(
+        torch.utils.data.DataLoader(TimesOutAt(), batch_size=2), catch=(TimeoutError,)
+    )
+    assert expected == [[0, 1], [2, 3], "error", [6, 7], [8, 9]]
+    timeout = {"timeout": TIMEOUT} if kwargs else {}
+    loader = DataLoader(TimesOutAt(), batch_size=2, **timeout, **kwargs)
+    out, errors = run_to_the_end(loader, catch=(TimeoutError,))
+    assert out == expected
+    assert "sample 5 timed out" in str(errors[0])
 
 
 @pytest.mark.parametrize("kwargs", WORKERS)

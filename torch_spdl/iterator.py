@@ -64,6 +64,7 @@ from .pipeline import (
     PipelineBuilder,
     SharedSource,
     Stream,
+    WaitTimeout,
     WorkerSource,
 )
 from .pipeline.stages import where
@@ -713,7 +714,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 data = pipeline.get(self._wait_limit(deadline, warn_at))
                 if isinstance(data, Deferred):
                     data = run_deferred(data)
-            except TimeoutError:
+            except WaitTimeout:  # not a batch's own TimeoutError: that one is raised
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise RuntimeError(

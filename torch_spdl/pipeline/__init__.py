@@ -22,7 +22,7 @@ or its parts: ``Pipeline(urls, [Stage("download", fetch, 32), Stage("decode", de
 from .builder import PipelineBuilder
 from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
 from .items import End, EngineError, Failure
-from .pipeline import Pipeline
+from .pipeline import Pipeline, WaitTimeout
 from .regroup import Regroup
 from .sources import SharedSource, WorkerSource
 from .stages import Stage, Stream
@@ -46,5 +46,6 @@ __all__ = [
     "StopSignal",
     "Stopped",
     "Stream",
+    "WaitTimeout",
     "WorkerSource",
 ]

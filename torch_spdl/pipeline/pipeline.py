@@ -321,6 +321,12 @@ class _Runtime:
             warnings.warn(message, ThreadLeftWarning, stacklevel=2)
 
 
+class WaitTimeout(TimeoutError):
+    """No item came within the ``timeout`` given to :meth:`Pipeline.get`: the wait's own
+    timeout, which a consumer that waits in slices (the DataLoader's) must tell from a
+    ``TimeoutError`` a stage raised (a socket's read), which fails its item as any error does."""
+
+
 def max_in_flight(buffer_size: int, stages: Sequence[Step]) -> int:
     """The in-flight budget of a source the pipeline makes itself: what a slow item can make
     the reorder buffer hold behind it."""
@@ -389,7 +395,8 @@ class Pipeline(Generic[T]):
         return self._next(None)
 
     def get(self, timeout: float | None = None) -> T:
-        """The next result; ``TimeoutError`` if none is ready within ``timeout`` seconds."""
+        """The next result; :class:`WaitTimeout` (a ``TimeoutError``) if none is ready within
+        ``timeout`` seconds."""
         value = self._take(timeout)
         if isinstance(value, Failure):
             value.reraise()
@@ -422,7 +429,7 @@ class Pipeline(Generic[T]):
             self._running = False
             raise StopIteration from None
         except TimeoutError:
-            raise
+            raise WaitTimeout(f"no item came within {timeout} s") from None
         except BaseException:  # KeyboardInterrupt while waiting: nobody will consume any more
             # its threads are told to stop, and joined when the pipeline is closed or collected:
             # a wait for a thread stuck in user code would hold the interrupt back for seconds
