@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import torch_spdl
-from torch_spdl.pipeline import Gate, PipelineBuilder
-from torch_spdl.pipeline.sources import SharedSource, WorkerSource
+from torch_spdl.pipeline import Gate, PipelineBuilder, Stopped, StopSignal
+from torch_spdl.pipeline.sources import FromAsync, SharedSource, WorkerSource
 
 pytestmark = pytest.mark.usefixtures("no_leak")
 
@@ -259,6 +259,30 @@ def test_closing_cancels_an_async_source_that_is_waiting():
     pipeline.stop()
     assert time.monotonic() - started < 2  # not the join timeout
     assert closed.is_set()  # the async generator's finally ran
+
+
+def test_a_stop_that_comes_before_an_async_source_is_read_cancels_that_read():
+    """The stop may come between the reader's last look at it and the read's task: the read
+    is cancelled all the same, not left waiting forever in a thread the close cannot join."""
+
+    async def forever():
+        await asyncio.Event().wait()  # nothing will ever come
+        yield 1
+
+    stop = StopSignal()
+    source = FromAsync(forever(), stop)
+    stop.set()
+    raised = []
+
+    def read():
+        with pytest.raises(Stopped):
+            next(source)
+        raised.append(True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)  # only a regression waits this long
+    assert raised == [True]
 
 
 def test_an_async_source_that_raises_fails_where_it_raised():

@@ -307,6 +307,7 @@ class FromAsync:
         self._loop = asyncio.new_event_loop()
         self._iterator: AsyncIterator[Any] = aiter(iterable)
         self._task: asyncio.Task[Any] | None = None
+        self._stop = stop
         stop.on_set(self._cancel)
 
     def __iter__(self) -> FromAsync:
@@ -316,6 +317,8 @@ class FromAsync:
         if self._loop.is_closed():
             raise StopIteration
         self._task = self._loop.create_task(_next(self._iterator))
+        if self._stop.is_set():  # set before the task existed: _cancel had none to cancel
+            self._task.cancel()
         try:
             return self._loop.run_until_complete(self._task)
         except StopAsyncIteration:
