@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -108,6 +109,28 @@ def test_stage_error_keeps_type_names_stage_and_item_and_iteration_goes_on(is_as
     assert "in stage 'parse' for record 3" in message
     assert "bad item" in message and "Traceback" in message
     assert got + list(pipe) == [0, 1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_describe_that_fails_on_the_failed_item_leaves_it_named_plainly(is_async):
+    """``describe`` may fail on the very item the stage failed on (a malformed record): the
+    item still fails in its place, named by its repr, rather than its thread dying with it
+    and the in-order consumer waiting for it forever."""
+
+    def fetch(record):
+        if "url" not in record:
+            raise ValueError("a record without a url")
+        return record["url"].upper()
+
+    async def afetch(record):
+        return fetch(record)
+
+    stage = Stage("fetch", afetch if is_async else fetch, 2, describe=lambda r: r["url"])
+    pipe = Pipeline([{"url": "a"}, {}, {"url": "b"}], [stage])
+    assert pipe.get(timeout=30) == "A"
+    with pytest.raises(ValueError, match=re.escape("in stage 'fetch' for item {}")):
+        pipe.get(timeout=30)  # only a regression waits this long
+    assert list(pipe) == ["B"]
 
 
 def test_key_error_message_is_readable():

@@ -91,7 +91,17 @@ class Stage:
         return is_async_callable(self.fn)
 
     def where(self, value: Any, worker: int | None = None) -> str:
-        return where(self.name, None if self.describe is None else self.describe(value), worker)
+        return where(self.name, None if self.describe is None else self._named(value), worker)
+
+    def _named(self, value: Any) -> str:
+        """``describe(value)``, or the value's repr where that raises: it is called on the item
+        that just failed, which may be the malformed one it cannot name, and an error here
+        would end the worker thread and lose the item in place of failing it."""
+        assert self.describe is not None
+        try:
+            return self.describe(value)
+        except BaseException:  # SystemExit too: the failure being captured is the item's
+            return describe_item(value)
 
 
 @dataclass(frozen=True)
