@@ -285,6 +285,20 @@ def test_a_stop_that_comes_before_an_async_source_is_read_cancels_that_read():
     assert raised == [True]
 
 
+def test_a_source_that_cannot_be_iterated_raises_at_build_and_leaves_no_thread():
+    class Unlistable:
+        def __iter__(self):
+            raise OSError("listing failed")
+
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="listing failed") as info:
+        build(Unlistable(), pipe(abs, concurrency=3))
+    # the error is still held, as an interactive session holds the last one, and its
+    # traceback holds the pipeline that build() began
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    assert info.tb is not None
+
+
 def test_an_async_source_that_raises_fails_where_it_raised():
     async def two_then_error():
         yield 1

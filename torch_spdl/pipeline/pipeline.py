@@ -384,7 +384,14 @@ class Pipeline(Generic[T]):
         self.persistent = persistent
         self._runtime = _Runtime(source, stages, in_order, self.name, buffer_size, sink_size)
         self._finalizer = weakref.finalize(self, self._runtime.close)
-        self._runtime.start_epoch(None)
+        try:
+            self._runtime.start_epoch(None)
+        except BaseException:
+            # iter(source) raised: the error's traceback holds this half-made pipeline (an
+            # interactive session keeps the last one), so the threads are not left to its
+            # collection
+            self._finalizer()
+            raise
         self._running = True
         self._ended = False  # the pass came to its end (not stopped before it)
 
