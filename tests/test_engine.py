@@ -133,6 +133,25 @@ def test_a_describe_that_fails_on_the_failed_item_leaves_it_named_plainly(is_asy
     assert list(pipe) == ["B"]
 
 
+def test_what_is_in_flight_is_named_plainly_where_describe_cannot_name_it():
+    """A stuck pipeline's report of what its workers are on calls ``describe`` too: a record
+    it cannot name is named by its repr, and the report goes on."""
+    began, release = threading.Event(), threading.Event()
+
+    def fetch(record):
+        began.set()
+        release.wait(30)  # only a regression waits this long
+        return record
+
+    pipe = Pipeline([{}], [Stage("fetch", fetch, 1, describe=lambda r: r["url"])])
+    try:
+        assert began.wait(30)
+        assert [busy.what for busy in pipe.in_flight()] == ["item {}"]
+    finally:
+        release.set()
+    assert list(pipe) == [{}]
+
+
 def test_key_error_message_is_readable():
     pipe = Pipeline(["a"], [Stage("lookup", lambda k: {}[k])])
     with pytest.raises(KeyError, match="in stage 'lookup'"):

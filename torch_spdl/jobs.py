@@ -12,7 +12,8 @@ from .batching import FetchTask, IterableBatches, SampleTask, batch_fetcher
 from .compat import ExceptionWrapper
 from .hooks import Hooks, WholeSamples
 from .messages import END, ERROR, OK, READY, Reply
-from .pipeline.stages import describe_item, where
+from .pipeline.stages import where
+from .pipeline.stats import describe_item
 from .sampling import WorkerStreams
 from .stream_state import WithState, recorded_stream
 

@@ -60,7 +60,8 @@ from .channel import Gate, check_count
 from .pipeline import Pipeline, Step, _same
 from .regroup import Regroup, aggregate, disaggregate
 from .sources import SharedSource, WorkerSource
-from .stages import Stage, Stream, describe_item, is_async_callable
+from .stages import Stage, Stream, is_async_callable
+from .stats import describe_item
 
 ORDERS = ("input", "completion")
 EXECUTORS = ("thread", "process", "async")

@@ -29,12 +29,11 @@ from .stages import (
     AsyncStageRunner,
     Stage,
     Stream,
-    describe_item,
     map_loop,
     stream_loop,
     worker_source_loop,
 )
-from .stats import InFlight, StageReport, StageStats, in_flight
+from .stats import InFlight, StageReport, StageStats, describe_item, in_flight
 
 Step = Stage | Stream | Regroup
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .items import Failure
-from .stages import describe_item
+from .stats import describe_item
 
 Values = Callable[[Iterator[Any]], Iterator[Any]]
 

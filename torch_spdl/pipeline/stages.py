@@ -14,7 +14,6 @@ import contextlib
 import functools
 import inspect
 import itertools
-import reprlib
 import threading
 import time
 import traceback
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 from ..inherited import in_thread
 from .channel import Channel, Closed, Gate, Slots, Stopped, StopSignal
 from .items import End, Failure, handled_worker_kind, is_control
-from .stats import InFlight, StageStats, WorkerRecord, call_timed
+from .stats import InFlight, StageStats, WorkerRecord, call_timed, named
 
 Item = tuple[int, Any]
 
@@ -57,11 +56,6 @@ def where(
     return text
 
 
-def describe_item(value: Any) -> str:
-    """How a pipeline names an item it has no better name for: ``item [1, 2, 3]``, shortened."""
-    return f"item {reprlib.repr(value)}"
-
-
 @dataclass(frozen=True)
 class Stage:
     """Apply ``fn`` to every value.
@@ -91,17 +85,9 @@ class Stage:
         return is_async_callable(self.fn)
 
     def where(self, value: Any, worker: int | None = None) -> str:
-        return where(self.name, None if self.describe is None else self._named(value), worker)
-
-    def _named(self, value: Any) -> str:
-        """``describe(value)``, or the value's repr where that raises: it is called on the item
-        that just failed, which may be the malformed one it cannot name, and an error here
-        would end the worker thread and lose the item in place of failing it."""
-        assert self.describe is not None
-        try:
-            return self.describe(value)
-        except BaseException:  # SystemExit too: the failure being captured is the item's
-            return describe_item(value)
+        return where(
+            self.name, None if self.describe is None else named(self.describe, value), worker
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ behind a busy stage at most.
 
 from __future__ import annotations
 
+import reprlib
 import statistics
 import threading
 import time
@@ -87,6 +88,21 @@ class WorkerRecord:
         self.fills += 1
 
 
+def describe_item(value: Any) -> str:
+    """How a pipeline names an item it has no better name for: ``item [1, 2, 3]``, shortened."""
+    return f"item {reprlib.repr(value)}"
+
+
+def named(describe: Callable[[Any], str], value: Any) -> str:
+    """``describe(value)``, or the value's repr where that raises: a failed item may be the
+    malformed one its stage's ``describe`` cannot name, and an error here would end the worker
+    thread and lose the item in place of failing it (or end a report on what is in flight)."""
+    try:
+        return describe(value)
+    except BaseException:  # SystemExit too: the failure being captured is the item's
+        return describe_item(value)
+
+
 @dataclass(frozen=True)
 class InFlight:
     """A task a stage's worker has been on for ``age`` seconds: what a stuck loader names."""
@@ -141,7 +157,7 @@ class StageStats:
         self.reset()
 
     def what(self, value: Any) -> str:
-        return self.describe(value) if self.describe is not None else "an item"
+        return named(self.describe, value) if self.describe is not None else "an item"
 
     def in_flight(self) -> list[InFlight]:
         """The tasks its workers are on now (a snapshot: each read is of one worker's own)."""
