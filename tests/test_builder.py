@@ -391,6 +391,11 @@ def source():
     return PipelineBuilder().add_source([1])
 
 
+def _split(item):
+    """A generator op: its items are disaggregated."""
+    yield from (item, item)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
@@ -417,6 +422,7 @@ def source():
         (lambda: WorkerSource(lambda _: [1], 1, max_in_flight=0), ValueError, "max_in_flight"),
         (lambda: source().add_sink().build(worker_nice=20), ValueError, "worker_nice"),
         (lambda: source().aggregate(2).add_sink().build(persistent=True), ValueError, "single"),
+        (lambda: source().pipe(_split).add_sink().build(persistent=True), ValueError, "'_split'"),
     ],
 )
 def test_bad_descriptions_are_refused_with_the_reason(make, error, match):

@@ -224,6 +224,17 @@ class PipelineBuilder:
         self._sink_size, self._has_sink = buffer_size, True
         return self
 
+    def _check_one_pass(self) -> None:
+        """:class:`Pipeline` refuses a persistent pipeline that regroups; named here, where a
+        generator op's hidden ``disaggregate`` can be told from one asked for."""
+        regroups = [step.name for step in self._steps if isinstance(step, _Regroup)]
+        if regroups:
+            raise ValueError(
+                "build(persistent=True): a pipeline that aggregates or disaggregates runs a "
+                f"single pass, and {regroups[0]!r} does (a generator op disaggregates what it "
+                "yields)"
+            )
+
     def _check_open(self) -> None:
         if self._source is None:
             raise ValueError("add_source() comes first")
@@ -247,6 +258,8 @@ class PipelineBuilder:
         if num_threads is not None:
             check_count("build: num_threads", num_threads)
         check_worker_nice(worker_nice)
+        if persistent:
+            self._check_one_pass()
         pools: list[Any] = []
         try:
             stages, in_order = self._stages(pools, worker_nice)
