@@ -10,7 +10,7 @@ import torch
 from distributed_scenarios import WORLD_CHANGE
 from index_datasets import Indices
 from subprocesses import spawn_ranks
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from torch_spdl import DataLoader
 
@@ -284,3 +284,37 @@ def test_a_single_process_state_resumes_on_two_ranks(ranks, tmp_path_factory):
     assert sorted(whole[:12] + rests[0] + rests[1]) == list(range(48))
     following = [flat(result["grow"]["next"]) for result in ranks]
     assert sorted(following[0] + following[1]) == list(range(48))
+
+
+# -- set_epoch, in one process ------------------------------------------------------------------
+class EpochBatches(BatchSampler):
+    """A batch sampler of the user's with an epoch of its own, as distributed bucketing batch
+    samplers have, over a sampler with one too; each records the epochs it was given."""
+
+    def __init__(self) -> None:
+        super().__init__(EpochSampler(), batch_size=2, drop_last=False)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+class EpochSampler(torch.utils.data.SequentialSampler):
+    def __init__(self) -> None:
+        super().__init__(range(8))
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+def test_set_epoch_reaches_a_users_batch_sampler_and_its_sampler_once_each():
+    """``loader.set_epoch`` tells the batch sampler the loader reads, as accelerate's
+    ``DataLoaderShard.set_epoch`` does; a sampler seen twice (as ``sampler`` and inside the
+    batch sampler) is told once."""
+    batches = EpochBatches()
+    DataLoader(Indices(8), batch_sampler=batches).set_epoch(3)
+    assert batches.epochs == [3] and batches.sampler.epochs == [3]
+    sampler = EpochSampler()
+    DataLoader(Indices(8), batch_size=2, sampler=sampler).set_epoch(4)
+    assert sampler.epochs == [4]

@@ -443,13 +443,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Use ``epoch``'s permutation from the next pass on, as ``sampler.set_epoch`` does.
 
         Before a process group is up it is remembered for the sampler the group will bring.
+        The sampler and the batch sampler the loader reads, and the batch sampler's sampler, each
+        get it once, where they have ``set_epoch``: a batch sampler of the user's that shards or
+        shuffles by epoch (a distributed bucketing sampler) has it itself.
         """
         self._requested_epoch = epoch
         self._shard()
         sampler, batch_sampler = self._own_samplers
-        for one in (sampler, getattr(batch_sampler, "sampler", None)):
+        told: list[Any] = []
+        for one in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
             set_epoch = getattr(one, "set_epoch", None)
-            if set_epoch is not None:
+            if set_epoch is not None and all(one is not other for other in told):
+                told.append(one)
                 set_epoch(epoch)
 
     # -- checkpointing (see torch_spdl.resume) ---------------------------------------------------
