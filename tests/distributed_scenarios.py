@@ -70,6 +70,36 @@ class RankStream(IterableDataset):
         return iter(range(rank * workers + worker, self.n, world * workers))
 
 
+class FailsAt(Dataset):
+    """0..n-1, where the indices in ``bad`` raise (a corrupt sample)."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            raise ValueError(f"sample {index} is corrupt")
+        return index
+
+
+def whole_batch_failed() -> dict:
+    """Batches of one sample, in order: rank 1's shard (1, 3, 5, ...) holds the bad index 3,
+    rank 0's does not. What each rank got, and the error it raised, if any."""
+    out = {}
+    for workers in (0, 2):
+        loader = DataLoader(FailsAt(20, {3}), batch_size=1, num_workers=workers, max_failures=5)
+        got, error = [], None
+        try:
+            got = [batch.tolist() for batch in loader]
+        except Exception as caught:
+            error = f"{type(caught).__name__}: {caught}"
+        out[workers] = {"len": len(loader), "batches": len(got), "error": error}
+    return out
+
+
 def rank_in_workers() -> dict:
     """What a dataset read in worker processes learns from torch.distributed: ours (worker
     processes started afresh) and torch's, forked as under torchrun on Linux (a rank spawned
@@ -195,6 +225,7 @@ def scenarios() -> dict:
     dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
+    out["whole_batch_failed"] = whole_batch_failed()
     out["rank_in_workers"] = rank_in_workers()
     out["rebuilt_every_epoch"] = rebuilt_every_epoch()
     out["resume_in_order"] = resume_scenario(in_order=True)

@@ -144,6 +144,20 @@ def test_distributed_assigned_after_construction_decides_the_next_pass(ranks):
         assert flat(sharded[0]) == shards[rank] and flat(whole[0]) == list(range(20))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_whose_samples_all_failed_does_not_leave_one_rank_short(ranks, workers):
+    """Under DDP every rank must take as many steps: a rank that skipped a batch (its one
+    sample failed, within max_failures) would have one batch fewer than the others, and their
+    last collective would wait for it. It says so instead, and the other rank reads all of its
+    batches."""
+    got = [result["whole_batch_failed"][workers] for result in ranks]
+    assert got[0] == {"len": 10, "batches": 10, "error": None}
+    assert got[1]["len"] == 10 and got[1]["batches"] < 10
+    assert got[1]["error"].startswith("FailureBudgetExceeded: every sample of a batch failed")
+    assert "rank 1 of 2 cannot skip it" in got[1]["error"]
+    assert "sample 3 is corrupt" in got[1]["error"]
+
+
 def test_worker_processes_know_the_rank_as_torchs_forked_workers_do(ranks):
     """A dataset that asks torch.distributed for the rank in ``__getitem__`` or shards its own
     stream by rank in ``__iter__`` reads in worker processes as in torch's."""

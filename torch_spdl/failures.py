@@ -145,17 +145,39 @@ class FailureBudget:
             if self.exceeded or len(failures) <= allowed:
                 return
             self.exceeded = True
-        listed = "\n".join(f"  - {failure}" for failure in failures[:LISTED])
-        more = f"\n  ... and {len(failures) - LISTED} more" if len(failures) > LISTED else ""
         budget = f"max_failures={self.max_failures!r}" + (
             f" ({allowed} of {self.seen} samples seen)"
             if isinstance(self.max_failures, float)
             else ""
         )
         raise FailureBudgetExceeded(
-            f"{len(failures)} samples failed, more than {budget} allows:\n{listed}{more}",
+            f"{len(failures)} samples failed, more than {budget} allows:\n{_listed(failures)}",
             failures,
         )
+
+    def refuse_skip(self, rank: int, size: int) -> None:
+        """Raise :class:`FailureBudgetExceeded` for a batch whose every sample failed, where
+        skipping it is not allowed: under DDP each rank reads batches of its own, and a rank that
+        skips one has fewer than the others, whose collectives then wait for it (a hang) or pair
+        with the wrong steps. The pass ends here, as past the budget."""
+        with self._lock:
+            failures = list(self.failures)
+            self.exceeded = True
+        raise FailureBudgetExceeded(
+            f"every sample of a batch failed, and rank {rank} of {size} cannot skip it: each rank "
+            "of the process group reads batches of its own, and a rank that skipped one would "
+            "have fewer than the others, which would wait for it in their collectives. Use a "
+            "batch_size at which a whole batch of bad samples is unlikely, or fix or leave out "
+            f"these samples ({len(failures)} failed in this pass):\n{_listed(failures)}",
+            failures,
+        )
+
+
+def _listed(failures: list[SampleFailure]) -> str:
+    """The first :data:`LISTED` failures, one a line, and how many more."""
+    listed = "\n".join(f"  - {failure}" for failure in failures[:LISTED])
+    more = f"\n  ... and {len(failures) - LISTED} more" if len(failures) > LISTED else ""
+    return listed + more
 
 
 Step = tuple[str, Callable[[Any], Any]]  # (stage name, function)

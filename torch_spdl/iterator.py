@@ -71,7 +71,7 @@ from .pipeline.stages import where
 from .pipeline.stats import StageStats, call_timed
 from .plan import AUTO, STREAMS, Plan
 from .processes import ProcessPool, Vetting, attach, process_pool
-from .sampling import WorkerStreams, datapipe_graph
+from .sampling import WorkerStreams, datapipe_graph, world
 from .stall import diagnose as stall_diagnosis
 from .stall import warn as stall_warn
 from .stats import ConsumerClock, PeriodicReport, StatsProbe
@@ -657,10 +657,24 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 self._check_budget()
             if data is not SKIPPED:  # a batch whose every sample failed, within the budget
                 break
+            self._check_skip()
         self._clock.got(started)
         if trial is not None:
             trial.step_began()
         return data if self._transfer is None else self._transfer.hand_over(data)
+
+    def _check_skip(self) -> None:
+        """A map-style dataset's batch whose every sample failed is skipped, except under DDP:
+        there the batches are each rank's own, and skipping one would leave this rank a batch
+        short of the others (:meth:`FailureBudget.refuse_skip`). A stream split by the loader
+        loses the same items on every rank (each reads all of it); a SKIPPED of a stream is a
+        batch received before a resume."""
+        ranks = None if is_iterable(self._dataset) else world()
+        if ranks is None:
+            return
+        self.close()
+        self._sampler_iter = iter(())  # nothing more to fetch inline either
+        self._budget.refuse_skip(*ranks)
 
     def _check_budget(self) -> None:
         """Past the failure budget the pass is over: stop its threads, then say why."""
