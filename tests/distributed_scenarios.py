@@ -41,6 +41,29 @@ class Stream(IterableDataset):
         return iter(range(worker, self.n, workers))
 
 
+class Unsplit(Stream):
+    """0..n-1 from every worker: a stream that does not split itself across workers."""
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def length_warnings() -> dict:
+    """An IterableDataset of 42 items read by 4 workers, one item a batch: torch's warning that a
+    pass yielded more items than ``len()`` said, for a stream padded to even out the ranks (each
+    rank gets 22 items of an estimate of 21), and for one each worker reads whole (84 each)."""
+    out = {}
+    for name, dataset in (("padded", Stream(42)), ("unsplit", Unsplit(42))):
+        loader = DataLoader(dataset, batch_size=1, num_workers=4, worker_method="thread")
+        length = len(loader)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            items = [batch.tolist() for batch in loader]
+        said = [str(w.message) for w in caught if "Length of IterableDataset" in str(w.message)]
+        out[name] = {"len": length, "items": len(items), "length_warnings": len(said)}
+    return out
+
+
 class RankedIndices(Dataset):
     """Each index with the rank and world size ``__getitem__`` reads from torch.distributed."""
 
@@ -225,6 +248,7 @@ def scenarios() -> dict:
     dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
+    out["length_warnings"] = length_warnings()
     out["whole_batch_failed"] = whole_batch_failed()
     out["rank_in_workers"] = rank_in_workers()
     out["rebuilt_every_epoch"] = rebuilt_every_epoch()

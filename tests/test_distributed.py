@@ -203,6 +203,18 @@ def test_iterable_stream_is_split_across_ranks_and_workers_into_equal_parts(rank
     assert [result["iterable_drop"]["len"] for result in ranks] == [5, 5]  # ceil(floor(41/2)/4)
 
 
+def test_a_padded_stream_does_not_trip_torchs_length_warning(ranks):
+    """torch warns when a pass yields more than ``len()`` said, as a sign of a stream not split
+    across workers; padding each worker's stream to whole rounds gives a rank up to one item
+    more per worker than the estimate, which is the loader's doing, not a misconfigured
+    dataset. A stream that each worker reads whole still gets the warning."""
+    for result in ranks:
+        padded, unsplit = result["length_warnings"]["padded"], result["length_warnings"]["unsplit"]
+        assert (padded["len"], padded["items"]) == (21, 22)  # workers' streams: 11, 11, 10, 10
+        assert padded["length_warnings"] == 0
+        assert unsplit["items"] == 4 * 21 and unsplit["length_warnings"] > 0
+
+
 def test_persistent_iterator_from_before_the_group_is_sharded_afterwards(ranks):
     assert sorted(flat(ranks[0]["persistent"]["before_group"])) == list(range(40))
     for epoch in range(2):

@@ -527,7 +527,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         total, world_size = len(cast(Sized, self.dataset)), ranks[1]
         # this rank's share: rounds dropped, or padded to whole ones (each worker's own)
         samples = total // world_size if self._uneven() == "drop" else -(-total // world_size)
-        self._IterableDataset_len_called = samples  # type: ignore[assignment]  # torch: None
+        # torch warns when a pass yields more than this, a sign of a stream not split across
+        # workers: not for the items that padding each worker's stream adds
+        most = _most_per_rank(total, world_size, max(self.num_workers, 1), self._uneven())
+        self._IterableDataset_len_called = most  # type: ignore[assignment]  # torch: None
         if self.batch_size is None:
             return samples
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
@@ -547,6 +550,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def check_worker_number_rationality(self) -> None:
         """torch warns when worker *processes* outnumber CPUs; threads waiting on I/O or running
         GIL-free code are cheap, so more threads than cores is a normal setting here."""
+
+
+def _most_per_rank(total: int, world_size: int, workers: int, uneven: str) -> int:
+    """The most items of a stream of ``total`` a rank can get where the loader splits it by rank:
+    each of the ``workers`` streams is split on its own, and padding completes its last round,
+    which gives a rank at most ``(world_size - 1) / world_size`` of an item more per stream
+    than its share of the whole; dropping the last rounds, at most its share, rounded down."""
+    if uneven == "drop":
+        return total // world_size
+    return (total + workers * (world_size - 1)) // world_size
 
 
 def _set_by_subclass(loader: DataLoader) -> list[str]:
