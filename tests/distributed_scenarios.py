@@ -335,6 +335,13 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         Indices(40), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
     )
     before_group = epochs(persistent, 1)[0]  # its iterator now exists, unsharded
+    streams = {  # the same for a stream, on worker threads and on worker processes
+        method: DataLoader(
+            Stream(40), batch_size=4, num_workers=2, persistent_workers=True, worker_method=method
+        )
+        for method in ("thread", "process")
+    }
+    streams_before = {method: epochs(loader, 1)[0] for method, loader in streams.items()}
     asked_early = DataLoader(Indices(40), batch_size=4, shuffle=True, num_workers=2)
     asked_early.set_epoch(4)
     dist.init_process_group(
@@ -346,6 +353,14 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
             "before_group": before_group,
             **facts(persistent),
             "epochs": epochs(persistent, 2),
+        }
+        results["persistent_stream"] = {
+            method: {
+                "before_group": streams_before[method],
+                "len": len(loader),
+                "epochs": epochs(loader, 2),
+            }
+            for method, loader in streams.items()
         }
         results["asked_early"] = {"epochs": epochs(asked_early, 1)}
         results["shrink"] = shrink_scenario()

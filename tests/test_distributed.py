@@ -224,6 +224,19 @@ def test_persistent_iterator_from_before_the_group_is_sharded_afterwards(ranks):
         assert set(shards[0]).isdisjoint(shards[1])
 
 
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_persistent_stream_from_before_the_group_is_split_afterwards(ranks, method):
+    """A stream's persistent workers started before the group: from the group on, each rank
+    reads its own half, as ``len()`` says (5 batches of 4), not the whole stream on every
+    rank."""
+    assert sorted(flat(ranks[0]["persistent_stream"][method]["before_group"])) == list(range(40))
+    assert [result["persistent_stream"][method]["len"] for result in ranks] == [5, 5]
+    for epoch in range(2):
+        shards = [flat(result["persistent_stream"][method]["epochs"][epoch]) for result in ranks]
+        assert [len(shard) for shard in shards] == [20, 20]
+        assert sorted(shards[0] + shards[1]) == list(range(40))
+
+
 def test_set_epoch_before_the_group_is_kept(ranks):
     got = [flat(result["asked_early"]["epochs"][0]) for result in ranks]
     assert got == reference(40, 4, seed=0)

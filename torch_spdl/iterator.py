@@ -827,6 +827,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         # A persistent iterator outlives a process group coming up: read the sampler anew.
         self._index_sampler = loader._index_sampler
+        self._resplit(loader)
         if self._following is not None:  # the pass before was given up while it moved
             self._take_over()
         self._budget.reset()  # the budget is per pass
@@ -846,6 +847,17 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             self._pipeline.restart()
         else:
             self._pipeline.restart(self._make_source(self._sampler_iter))
+
+    def _resplit(self, loader: DataLoader) -> None:
+        """A persistent iterator over a stream outlives a process group coming up, or
+        ``distributed`` assigned: its streams are split by rank as the loader now says. Where
+        that changes the split, its workers start again, as a new iterator's would: threads
+        with new copies of the dataset, processes with the new split (theirs is their own)."""
+        if not is_iterable(self._dataset):
+            return
+        changed = self._streams.resplit(loader._rank_split(), loader._uneven())
+        if changed and self._pipeline is not None:
+            self._pipeline.close()
 
     def _replanned(self, loader: DataLoader) -> bool:
         """Whether this persistent iterator's next pass needs another pipeline, now closed:

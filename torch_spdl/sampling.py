@@ -364,6 +364,15 @@ class WorkerStreams:
         self._seed: int | None = None
         self._seeded: set[int] = set()
 
+    def resplit(self, ranks: tuple[int, int] | None, uneven: str) -> bool:
+        """Split by ``ranks`` (and even out by ``uneven``) from now on, with copies made anew
+        (a datapipe's copy is sharded for its split); whether that changed the split."""
+        if (ranks, uneven) == (self._ranks, self._uneven):
+            return False
+        self._ranks, self._uneven = ranks, uneven
+        self._made = {}
+        return True
+
     def reseed(self, seed: int | None) -> None:
         """A new pass, and the shared seed torch's iterator drew for it (a datapipe's). torch's
         persistent workers apply it to their datapipe at each pass (``_ResumeIteration``), so
