@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             order: list[int] = []
             total, batches = 0.0, 0
             for images, labels, indices in loader:
-                # CPU here; on GPUs move the batch to this rank's device (no device= option yet)
+                # CPU here; on GPUs build the loader with device="cuda": batches then come on
+                # this rank's GPU (LOCAL_RANK), copied on a side stream (docs/gpu.md)
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(images), labels)
                 loss.backward()
