@@ -7,6 +7,7 @@ compares ranks with each other and with torch's own DistributedSampler.
 from __future__ import annotations
 
 import copy
+import functools
 import multiprocessing
 import os
 import warnings
@@ -39,6 +40,50 @@ class Stream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         return iter(range(worker, self.n, workers))
+
+
+class Positioned(IterableDataset):
+    """0..n-1 split across workers, its position kept as its state (torchdata's protocol)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        items = range(worker, self.n, workers)
+        while self.pos < len(items):
+            self.pos += 1
+            yield items[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def stateful_stream_resume() -> dict:
+    """A stream with state of its own, split by rank by the loader: 2 batches, a state, and the
+    rest of the pass from a fresh loader given it; and the same pass uninterrupted."""
+    out = {}
+    for workers in (0, 2):
+        make = functools.partial(DataLoader, batch_size=2, num_workers=workers)
+        whole = epochs(make(Positioned(24)), 1)[0]
+        loader = make(Positioned(24))
+        it = iter(loader)
+        taken = [next(it).tolist() for _ in range(2)]
+        state = loader.state_dict()
+        del it
+        fresh = make(Positioned(24))
+        fresh.load_state_dict(state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rest = epochs(fresh, 1)[0]
+        read_again = [str(w.message) for w in caught if "read again" in str(w.message)]
+        out[workers] = {"whole": whole, "taken": taken, "rest": rest, "read_again": read_again}
+    return out
 
 
 class Unsplit(Stream):
@@ -248,6 +293,7 @@ def scenarios() -> dict:
     dropping = DataLoader(Stream(41), batch_size=4, num_workers=2, uneven_ranks="drop")
     out["iterable_drop"] = {**facts(dropping), "epochs": epochs(dropping, 1)}
 
+    out["stateful_stream"] = stateful_stream_resume()
     out["length_warnings"] = length_warnings()
     out["whole_batch_failed"] = whole_batch_failed()
     out["rank_in_workers"] = rank_in_workers()

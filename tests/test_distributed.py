@@ -276,6 +276,21 @@ def test_the_other_ranks_state_resumes_this_ranks_own_batches(ranks, name):
             assert "out of order" in " ".join(scenario["other_rank_warnings"])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_with_state_split_by_rank_resumes_from_its_state(ranks, workers):
+    """Each rank's stream is the dataset's whole stream, of which it keeps its part: the
+    dataset's own state is that stream's, at a round's end, and a resume goes on from it,
+    without reading the stream again, and without skipping the batches received a second time
+    (samples 9 to 15 of rank 1 were lost: the state put the stream past them, then the batches
+    already received were dropped from there)."""
+    for result in ranks:
+        scenario = result["stateful_stream"][workers]
+        assert flat(scenario["taken"] + scenario["rest"]) == flat(scenario["whole"])
+        assert scenario["read_again"] == []
+    wholes = [flat(result["stateful_stream"][workers]["whole"]) for result in ranks]
+    assert sorted(wholes[0] + wholes[1]) == list(range(24))  # the ranks' parts of the stream
+
+
 # -- resuming on another number of ranks ---------------------------------------------------------
 def global_order(epoch: int, n: int = 48) -> list[int]:
     """The order the 2 ranks' DistributedSampler split epoch ``epoch`` from (seed 0)."""

@@ -43,6 +43,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from .stream_state import is_stateful
 from .worker_state import own_copy
 
 UNEVEN_RANKS = ("pad", "drop")
@@ -292,7 +293,27 @@ class RankShard(IterableDataset):
         self.dataset, self.rank, self.size, self.uneven = dataset, rank, size, uneven
 
     def __iter__(self) -> Iterator[Any]:
-        return _Rounds(iter(self.dataset), self)
+        stream = iter(self.dataset)
+        return (_StatefulRounds if is_stateful(stream) else _Rounds)(stream, self)
+
+
+class _StatefulRankShard(RankShard):
+    """A :class:`RankShard` of a stream with state of its own (torchdata's protocol), which is
+    its state: the loader records it as each batch is handed over, when this rank has taken its
+    item of the round and the stream stands at the round's end, so a stream restored to it goes
+    on with the next round (without it, a resume would read the stream again from its start)."""
+
+    def state_dict(self) -> Any:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.dataset.load_state_dict(state)
+
+
+def rank_shard(dataset: Any, rank: int, size: int, uneven: str) -> RankShard:
+    """Rank ``rank``'s part of ``dataset``'s stream, with the dataset's state where it has one."""
+    shard = _StatefulRankShard if is_stateful(dataset) else RankShard
+    return shard(dataset, rank, size, uneven)
 
 
 class _Rounds:
@@ -329,6 +350,18 @@ class _Rounds:
             )
         self._ended = True
         return taken[shard.rank % len(taken)]
+
+
+class _StatefulRounds(_Rounds):
+    """The iterator of a :class:`RankShard` over a stream whose iterator has state of its own:
+    that state (see :class:`_StatefulRankShard`)."""
+
+    def state_dict(self) -> Any:
+        return self._stream.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: Any) -> None:
+        self._stream.load_state_dict(state)  # type: ignore[attr-defined]
+        self._round, self._ended = [], False
 
 
 class WorkerStreams:
@@ -410,7 +443,7 @@ class WorkerStreams:
             self._seeded.add(worker)
         if self._ranks is None:
             return dataset
-        return RankShard(dataset, *self._ranks, self._uneven)
+        return rank_shard(dataset, *self._ranks, self._uneven)
 
 
 def dist_settings() -> tuple[int, int]:
