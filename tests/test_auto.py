@@ -2243,3 +2243,34 @@ def test_an_error_after_the_move_names_its_index_and_the_pass_goes_on(no_leak, d
     batches += list(iterator)
     assert [i for b in batches for i in b["index"].tolist()] == [*range(348), *range(352, 400)]
     assert loaded_whole(batches[-1])
+
+
+class StopsAt(Dataset):
+    """Sample i is i, but reading sample ``at`` raises ``StopIteration``: torch's loop ends at
+    its batch, quietly (the error reaches ``__next__`` as itself)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __len__(self) -> int:
+        return 64 * 40
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.at:
+            raise StopIteration(index)
+        return index
+
+
+@pytest.mark.parametrize("executor", [INLINE, PROCESS])
+@pytest.mark.parametrize("batch", [1, 3, 6, 12])
+def test_a_datasets_stop_iteration_ends_the_pass_across_a_switch(no_leak, decides, executor, batch):
+    """A ``StopIteration`` a dataset raises ends the loop where torch's ends, also while the pass
+    moves from the trial's threads to the executor chosen: it is not the threads' pipeline
+    coming to its end, after which the rest of the pass would come from the new executor."""
+    decides(executor)
+    dataset = StopsAt(64 * batch + 5)
+    torchs = [b.tolist() for b in torch.utils.data.DataLoader(dataset, batch_size=64)]
+    assert len(torchs) == batch
+    loader = torch_spdl.DataLoader(dataset, batch_size=64, num_workers=2)
+    assert [b.tolist() for b in loader] == torchs
+    del loader

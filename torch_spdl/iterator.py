@@ -740,6 +740,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 self._report.maybe_log()
                 continue
             except StopIteration:
+                if pipeline.running:  # a batch's own (the dataset raised it): torch's loop ends
+                    raise
                 if self._inline_from is not None:
                     self._inline_takes_over()
                     return _INLINE_NEXT

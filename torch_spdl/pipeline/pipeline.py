@@ -447,6 +447,12 @@ class Pipeline(Generic[T]):
             self.close()
         return value
 
+    @property
+    def running(self) -> bool:
+        """Whether its pass goes on: not at its end, stopped or closed. A ``StopIteration`` that
+        :meth:`get` raised for an item (an op's own) leaves it running."""
+        return self._running
+
     def restart(self, source: Iterable[Any] | None = None) -> None:
         """Begin a new epoch (over ``source`` if given), dropping what is left of the last one."""
         if self.closed:
