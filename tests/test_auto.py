@@ -1207,6 +1207,48 @@ def test_passes_too_short_to_move_in_start_the_next_in_processes(
         assert seen[0] == seen[1]
 
 
+def test_a_persistent_pass_measures_anew_where_the_pass_before_did_not_decide(no_leak, monkeypatch):
+    """A pass that ends, or is given up (a sanity check's batch, then ``break``), before its
+    trial decided keeps nothing, as a new iterator's does: persistent workers' next pass is
+    measured on its own, and the trial's probe does not knock between the passes. Kept, the
+    trial counted the training loop's step begun before the ``break`` as ending in the next
+    pass, over all the script did meanwhile (here an hour, on a stand-in clock)."""
+    from torch_spdl import iterator
+
+    seen: list[Measured] = []
+
+    def fixed(measured, **_):
+        seen.append(measured)
+        return Decision(THREAD, "the test decided", measured)
+
+    monkeypatch.setattr(iterator, "decide", fixed)
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+    later = [0.0]  # seconds the stand-in clock is ahead of the threads' own
+    read = auto.ThreadClock.read
+
+    def shifted() -> tuple[float, float, float]:
+        wall, cpu, queue = read()
+        return wall + later[0], cpu, queue
+
+    monkeypatch.setattr(auto.ThreadClock, "read", staticmethod(shifted))
+    dataset = Indices(400)
+    torchs = [batch.tolist() for batch in torch.utils.data.DataLoader(dataset, batch_size=4)]
+    loader = torch_spdl.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+    monkeypatch.setattr(auto, "TRIAL_STEPS", 1_000)  # a pass too short to decide in
+    assert [batch.tolist() for batch in loader] == torchs
+    assert "torch_spdl.auto-probe" not in {thread.name for thread in threading.enumerate()}
+    monkeypatch.setattr(auto, "TRIAL_STEPS", 3)
+    for _ in loader:
+        break  # one step begun, none ended: the trial cannot decide
+    assert seen == []
+    later[0] = 3600.0  # the script's hour between the passes
+    assert [batch.tolist() for batch in loader] == torchs
+    assert len(seen) == 1 and seen[0].consumer.count >= auto.TRIAL_STEPS
+    assert seen[0].consumer.wall < 3600.0  # its steps are this pass's
+    assert loader.stats().executor.startswith("worker_method='auto' chose thread")
+    del loader
+
+
 @pytest.fixture
 def pool_starts(monkeypatch) -> list[int]:
     """One item for each start of a loader's worker processes."""

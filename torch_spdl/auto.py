@@ -674,6 +674,16 @@ class Trial:
         figures could not tell (:attr:`Decision.measure_again`)."""
         return self._next(self.workers)
 
+    def anew(self, total: int | None) -> Trial:
+        """A trial on the same threads over a new pass of ``total`` tasks, where this one was
+        left undecided by the end of its own (persistent workers). It keeps none of this one's
+        figures, as a new iterator's trial keeps none: they would span the time between the
+        passes (a step of the training loop begun before a ``break`` would end in the next
+        pass, over what the script did meanwhile) and count this pass's tasks as the next's."""
+        with self._lock:
+            warmed = set(self.warmed)
+        return Trial(self.workers, self.tasks_per_batch, total, self.threads, warmed=warmed)
+
     def _next(self, workers: int) -> Trial:
         with self._lock:
             warmed = set(self.warmed)

@@ -650,6 +650,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             try:
                 data = self._next_batch()
             except StopIteration:
+                self._stop_trial()
                 self._budget.commit_all()  # failures after the last batch of a stream count too
                 self._check_budget()
                 raise
@@ -675,6 +676,15 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self.close()
         self._sampler_iter = iter(())  # nothing more to fetch inline either
         self._budget.refuse_skip(*ranks)
+
+    def _stop_trial(self) -> None:
+        """The pass is over before ``"auto"`` decided (persistent workers keep their pipeline):
+        its trial's probe stops with it rather than knock between the passes, and the next pass
+        measures anew (:meth:`_measure_anew`)."""
+        switch = self._switch
+        trial = None if switch is None else switch.trial
+        if trial is not None:
+            trial.stop()
 
     def _check_budget(self) -> None:
         """Past the failure budget the pass is over: stop its threads, then say why."""
@@ -848,6 +858,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         elif is_iterable(self._dataset):
             self._pipeline.restart()
         else:
+            self._measure_anew()
             self._pipeline.restart(self._make_source(self._sampler_iter))
 
     def _resplit(self, loader: DataLoader) -> None:
@@ -860,6 +871,14 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         changed = self._streams.resplit(loader._rank_split(), loader._uneven())
         if changed and self._pipeline is not None:
             self._pipeline.close()
+
+    def _measure_anew(self) -> None:
+        """A persistent pipeline's next pass: where ``"auto"`` has not decided yet, its trial
+        starts over on this pass, as a new iterator's would (:meth:`Switch.measure_anew`)."""
+        switch = self._switch
+        trial = None if switch is None else switch.trial
+        if switch is not None and trial is not None:
+            switch.measure_anew(self._pass_tasks(round(trial.tasks_per_batch)))
 
     def _replanned(self, loader: DataLoader) -> bool:
         """Whether this persistent iterator's next pass needs another pipeline, now closed:

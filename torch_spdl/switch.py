@@ -161,6 +161,16 @@ class Switch:
             # a stage that waits for processes, here or from the next pass, is one the GIL
             # binds: until they take over, its few threads do better than all of them
 
+    def measure_anew(self, total: int | None) -> None:
+        """A persistent pipeline's next pass begins, of ``total`` tasks: a trial the pass before
+        left undecided starts over on it (:meth:`Trial.anew`), on the same threads."""
+        with self._lock:
+            trial = self.trial
+            if trial is None:
+                return
+            trial.stop()
+            self.trial = trial.anew(total)
+
     def start_pending(self, decision: Decision, trial: Trial) -> None:
         """Start the worker processes ``decision`` chose in an earlier pass, whose fork server
         was still importing as this pass began (deferred to this pass, or cut short by the end
