@@ -699,6 +699,50 @@ def test_a_trial_that_could_not_tell_is_followed_by_another_and_keeps_nothing(no
     assert switch.trial is None and kept == [switch.decision] and kept[0].executor == PROCESS
 
 
+def test_the_stages_other_threads_go_on_while_one_decides(no_leak):
+    """Deciding can take a while: where it ends in processes, what they would be sent is pickled
+    to look at it (an ImageFolder of 1.28 M samples: a pickle of 73 MB). A thread whose
+    task ends meanwhile goes on with its next task rather than wait for the decision another
+    thread is making: the switch costs no pause."""
+    deciding, decided, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def conclude(trial: Trial) -> Decision:
+        deciding.set()
+        assert decided.wait(30)
+        return Decision(THREAD, "test")
+
+    def local(task: int) -> int:
+        if task == 1:
+            assert finish.wait(30)
+        return task * 2
+
+    trial = Trial(2, total=100)
+    switch = Switch(
+        local,
+        "fetch",
+        start=lambda worker: None,
+        make_pool=Starter(),
+        conclude=conclude,
+        trial=trial,
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        slow = threads.submit(switch, 1)  # under way as the trial ends
+        lasted(trial)
+        trial.consumer.count, trial.stage.count = auto.TRIAL_STEPS, trial.needed
+        deciding_task = threads.submit(switch, 2)  # its end decides
+        try:
+            assert deciding.wait(30)
+            finish.set()
+            assert slow.result(timeout=10) == 2  # back while the other thread decides
+            assert not deciding_task.done()
+        finally:
+            finish.set()
+            decided.set()
+        assert deciding_task.result(timeout=30) == 4
+    assert str(switch.decision).endswith("chose thread: test")
+    switch.close()
+
+
 def test_only_a_stage_the_gil_does_not_bind_is_free():
     assert decide(measured(stage_wait=0.01), cpus=16).free
     assert not decide(measured(stage_wait=0.5), cpus=16, no_processes="no processes here").free

@@ -134,6 +134,10 @@ class Switch:
         return send(task)
 
     def _decide(self, trial: Trial) -> None:
+        # another thread decides (or has): the conclusion may pickle the dataset to look at
+        # what worker processes would be sent, which this thread's next task must not wait for
+        if self.trial is not trial:
+            return
         with self._lock:
             if self.trial is not trial:  # another thread decided
                 return
