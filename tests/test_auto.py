@@ -1293,6 +1293,42 @@ def test_a_persistent_pass_measures_anew_where_the_pass_before_did_not_decide(no
     del loader
 
 
+def test_a_resumed_pass_weighs_what_is_left_of_it(no_leak, monkeypatch):
+    """A pass resumed from a state near its end (``load_state_dict`` after a preemption) has
+    that end left, not the whole epoch: the trial counts the batches the resumed pass reads,
+    so that processes that would not pay for their start in them are left for the next pass."""
+    from torch_spdl import iterator
+
+    remaining: list[int | None] = []
+
+    def fixed(measured, remaining_tasks=None, **_):
+        remaining.append(remaining_tasks)
+        return Decision(THREAD, "the test decided", measured)
+
+    monkeypatch.setattr(iterator, "decide", fixed)
+    monkeypatch.setattr(auto, "TRIAL_S", 0.0)
+
+    def make() -> torch_spdl.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return torch_spdl.DataLoader(
+            Indices(400), batch_size=4, shuffle=True, num_workers=2, generator=generator
+        )
+
+    whole = [batch.tolist() for batch in make()]
+    saving = make()
+    batches = iter(saving)
+    got = [next(batches).tolist() for _ in range(90)]
+    state = saving.state_dict()
+    del batches
+    remaining.clear()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [batch.tolist() for batch in resumed] == whole
+    assert len(remaining) == 1 and remaining[0] is not None
+    assert remaining[0] < 10  # of the resumed pass's 10 batches, some begun already
+    del saving, resumed
+
+
 @pytest.fixture
 def pool_starts(monkeypatch) -> list[int]:
     """One item for each start of a loader's worker processes."""

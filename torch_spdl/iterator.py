@@ -560,11 +560,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         return conclude
 
     def _pass_tasks(self, tasks_per_batch: int) -> int | None:
-        """The CPU stage's tasks in this pass; None where the sampler has no length."""
-        try:
-            return len(self._index_sampler) * tasks_per_batch
-        except TypeError:
-            return None
+        """The CPU stage's tasks in this pass, a resumed pass's rest only; None where the
+        sampler has no length."""
+        batches = self._pass.batches()
+        return None if batches is None else batches * tasks_per_batch
 
     def _staged(
         self,

@@ -359,6 +359,7 @@ class PassRecord:
         self._copy_records: dict[int, tuple[int, Any]] = {}
         self._skip_later = sorted(self.skip.later)
         self._taken = 0
+        self._length: int | None = None  # the tracked sampler's batches (see batches())
         self._stateful: Any = None
         self._snapshots = Snapshots()  # a stateful sampler's
         self._lock = threading.Lock()
@@ -380,6 +381,7 @@ class PassRecord:
         iterator does when it prefetches: its seed draw never races the user's own draws.
         """
         batches = self._batches(index_sampler, created)
+        self._length = length_of(index_sampler)
         self._stateful = stateful_sampler(index_sampler)
         if self._stateful is not None:
             self._snapshot(self.start)
@@ -423,6 +425,12 @@ class PassRecord:
                 self._snapshot(number)
             if number - 1 not in self.skip:
                 yield batch
+
+    def batches(self) -> int | None:
+        """The batches this pass reads: its sampler's (a resumed pass's share of the rest, where
+        the ranks changed), less those received before it resumed; None where the sampler has
+        no length."""
+        return None if self._length is None else max(0, self._length - len(self.skip))
 
     def settle(self) -> None:
         """The pass is given up (``break``, ``close()``, the iterator dropped, a persistent
