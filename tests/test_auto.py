@@ -743,6 +743,33 @@ def test_the_stages_other_threads_go_on_while_one_decides(no_leak):
     switch.close()
 
 
+def test_a_stop_does_not_wait_for_the_decision_being_made(no_leak):
+    """The pipeline's stop tells the switch at once (``release``: on a Ctrl-C it runs in the
+    training loop's thread, which must raise at once), also while a stage thread concludes its
+    trial, which may pickle the dataset to look at what worker processes would be sent."""
+    deciding, decided = threading.Event(), threading.Event()
+
+    def conclude(trial: Trial) -> Decision:
+        deciding.set()
+        assert decided.wait(30)
+        return Decision(THREAD, "test")
+
+    switch = ready_switch(Trial(2, total=100), conclude)
+    stopper = threading.Thread(target=switch.release)
+    with concurrent.futures.ThreadPoolExecutor(1) as threads:
+        deciding_task = threads.submit(switch, 1)  # its end decides
+        try:
+            assert deciding.wait(30)
+            stopper.start()
+            stopper.join(10)
+            assert not stopper.is_alive()  # back while the stage thread still decides
+        finally:
+            decided.set()
+            stopper.join()
+        assert deciding_task.result(timeout=30) == 2
+    switch.close()
+
+
 def test_only_a_stage_the_gil_does_not_bind_is_free():
     assert decide(measured(stage_wait=0.01), cpus=16).free
     assert not decide(measured(stage_wait=0.5), cpus=16, no_processes="no processes here").free

@@ -297,8 +297,10 @@ class Switch:
         """Tell the worker processes to stop, and the trial, without waiting for either (as the
         pipeline stops: :meth:`close` waits, once its threads are joined)."""
         self._closed.set()  # a starter that waits for it wakes at once
-        with self._lock:
-            trial, pool = self.trial, self._pool
+        # read without the lock, which a thread concluding the trial holds while it looks at
+        # what worker processes would be sent (a pickle of the dataset): a pool made after this
+        # is closed by its starter, which sees the flag, and close() stops what this misses
+        trial, pool = self.trial, self._pool
         if trial is not None:
             trial.stop()
         if pool is not None:
