@@ -1614,6 +1614,27 @@ def test_a_loader_with_a_deadline_does_not_go_inline(no_leak, decides, watch):
     assert "cannot go inline" in loader.stats().executor, loader.stats().executor
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [("timeout", 30), ("stall_warning", 30), ("worker_init_fn", lambda worker: None)],
+    ids=["timeout", "stall_warning", "worker_init_fn"],
+)
+def test_an_option_inline_cannot_serve_assigned_later_measures_again(
+    no_leak, decides, option, value
+):
+    """An inline decision is kept for the later passes; an option assigned after it that inline
+    cannot serve (a deadline: nothing would watch the clock; a ``worker_init_fn``: no worker to
+    run it in) sends the next pass back to its threads, which measure again."""
+    decides(INLINE)
+    loader = torch_spdl.DataLoader(Indices(20_000), batch_size=64, num_workers=2)
+    assert sum(len(batch) for batch in loader) == 20_000
+    assert "chose inline" in loader.stats().executor
+    setattr(loader, option, value)
+    assert sum(len(batch) for batch in loader) == 20_000
+    assert loader.stats().stages[0].kind == "thread", loader.stats().executor
+    assert "cannot go inline" in loader.stats().executor, loader.stats().executor
+
+
 class Hashes(Dataset):
     def __len__(self) -> int:
         return 3000

@@ -861,3 +861,10 @@ class AutoState:
     def keep(self, decision: Decision) -> None:
         """Keep ``decision`` for the next passes."""
         self.decision = decision
+
+    def unfit_inline(self) -> None:
+        """An option assigned that a stage run inline cannot serve (a deadline, a
+        ``worker_init_fn``, a device): an inline decision is measured again, as one taken with
+        the option set would not have been for inline."""
+        if self.decision is not None and self.decision.executor == INLINE:
+            self.decision = None

@@ -47,6 +47,10 @@ from .workers import worker_starter
 T_co = TypeVar("T_co", covariant=True)
 
 
+INLINE_UNFIT = ("timeout", "stall_warning", "worker_init_fn", "device")
+"""Attributes whose assignment an inline stage cannot serve: "auto" measures such a loader again."""
+
+
 class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in for :class:`torch.utils.data.DataLoader` that loads with threads.
 
@@ -239,6 +243,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if name in NAMES and "_options" in self.__dict__ and name not in self._own_names:
             self._set_option(name, value)
         super().__setattr__(name, value)
+        if name in INLINE_UNFIT and value and "_auto" in self.__dict__:
+            self._auto.unfit_inline()
 
     def _set_option(self, name: str, value: Any) -> None:
         """Validate ``value`` for option ``name`` into a new :class:`Options`: the loader reads
