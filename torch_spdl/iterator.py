@@ -640,8 +640,13 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self._pass.took()
         return index
 
+    @property
+    def _trial(self) -> Trial | None:
+        """What ``"auto"`` measures the stage with now; None where it measures nothing."""
+        return None if self._switch is None else self._switch.trial
+
     def _next_data(self) -> Any:
-        trial = None if self._switch is None else self._switch.trial
+        trial = self._trial
         if trial is not None:  # the training loop's step ends: see torch_spdl.auto
             trial.step_ended()
         started = self._clock.waiting()
@@ -680,8 +685,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         """The pass is over before ``"auto"`` decided (persistent workers keep their pipeline):
         its trial's probe stops with it rather than knock between the passes, and the next pass
         measures anew (:meth:`_measure_anew`)."""
-        switch = self._switch
-        trial = None if switch is None else switch.trial
+        trial = self._trial
         if trial is not None:
             trial.stop()
 
@@ -715,7 +719,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         deadline = None if not self._timeout else began + self._timeout
         stall = self._stall_warning
         warn_at = None if stall is None else began + stall
-        trial = None if self._switch is None else self._switch.trial
+        trial = self._trial
         if trial is not None:
             trial.consumer_waits(True)  # the GIL probe's knocks count now: see torch_spdl.auto
         try:
@@ -874,10 +878,10 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
     def _measure_anew(self) -> None:
         """A persistent pipeline's next pass: where ``"auto"`` has not decided yet, its trial
         starts over on this pass, as a new iterator's would (:meth:`Switch.measure_anew`)."""
-        switch = self._switch
-        trial = None if switch is None else switch.trial
-        if switch is not None and trial is not None:
-            switch.measure_anew(self._pass_tasks(round(trial.tasks_per_batch)))
+        trial = self._trial
+        if trial is not None:
+            assert self._switch is not None  # a trial is its switch's
+            self._switch.measure_anew(self._pass_tasks(round(trial.tasks_per_batch)))
 
     def _replanned(self, loader: DataLoader) -> bool:
         """Whether this persistent iterator's next pass needs another pipeline, now closed:
