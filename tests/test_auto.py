@@ -1557,17 +1557,19 @@ def test_a_pass_that_goes_inline_moves_at_a_batch_boundary(no_leak, decides, shu
 
 
 class Raises(Dataset):
-    """Sample i is i, but sample 150,000 raises ``error(150_000)`` (``SystemExit``: as
-    ``sys.exit`` does)."""
+    """Sample i is i, but reading sample ``at`` (150,000 of 200,000 by default) raises
+    ``error(at)`` (``SystemExit``: as ``sys.exit`` does)."""
 
-    def __init__(self, error: type[BaseException] = KeyError) -> None:
-        self.error = error
+    def __init__(
+        self, error: type[BaseException] = KeyError, at: int = 150_000, n: int = 200_000
+    ) -> None:
+        self.error, self.at, self.n = error, at, n
 
     def __len__(self) -> int:
-        return 200_000
+        return self.n
 
     def __getitem__(self, index: int) -> int:
-        if index == 150_000:
+        if index == self.at:
             raise self.error(index)
         return index
 
@@ -2415,22 +2417,6 @@ def test_an_error_after_the_move_names_its_index_and_the_pass_goes_on(no_leak, d
     assert loaded_whole(batches[-1])
 
 
-class StopsAt(Dataset):
-    """Sample i is i, but reading sample ``at`` raises ``StopIteration``: torch's loop ends at
-    its batch, quietly (the error reaches ``__next__`` as itself)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def __len__(self) -> int:
-        return 64 * 40
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.at:
-            raise StopIteration(index)
-        return index
-
-
 @pytest.mark.parametrize("executor", [INLINE, PROCESS])
 @pytest.mark.parametrize("batch", [1, 3, 6, 12])
 def test_a_datasets_stop_iteration_ends_the_pass_across_a_switch(no_leak, decides, executor, batch):
@@ -2438,7 +2424,7 @@ def test_a_datasets_stop_iteration_ends_the_pass_across_a_switch(no_leak, decide
     moves from the trial's threads to the executor chosen: it is not the threads' pipeline
     coming to its end, after which the rest of the pass would come from the new executor."""
     decides(executor)
-    dataset = StopsAt(64 * batch + 5)
+    dataset = Raises(StopIteration, at=64 * batch + 5, n=64 * 40)  # torch's loop ends quietly
     torchs = [b.tolist() for b in torch.utils.data.DataLoader(dataset, batch_size=64)]
     assert len(torchs) == batch
     loader = torch_spdl.DataLoader(dataset, batch_size=64, num_workers=2)

@@ -56,8 +56,11 @@ class ExitsAt(Dataset):
 
     def __getitem__(self, index):
         if index == self.at:
-            sys.exit(f"sample {index}")
+            self.fail(index)
         return index
+
+    def fail(self, index: int) -> None:
+        sys.exit(f"sample {index}")
 
 
 class CancelledAt(StagedDataset):
@@ -143,20 +146,12 @@ class BadFrom(StagedDataset):
         return index
 
 
-class TimesOutAt(Dataset):
+class TimesOutAt(ExitsAt):
     """A fetch over the network whose read times out at ``at`` (``socket.timeout`` is a
     ``TimeoutError``)."""
 
-    def __init__(self, at: int = 5, n: int = 10):
-        self.at, self.n = at, n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, index):
-        if index == self.at:
-            raise TimeoutError(f"the read of sample {index} timed out")
-        return index
+    def fail(self, index: int) -> None:
+        raise TimeoutError(f"the read of sample {index} timed out")
 
 
 class RaisesAtIndex(Sampler[int]):
