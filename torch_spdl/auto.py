@@ -73,7 +73,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import steal
+from . import loader_threads, steal
 from .cpus import cores, in_the_way, own_cpus
 
 try:  # per-thread context switches: Linux's getrusage(RUSAGE_THREAD)
@@ -271,7 +271,8 @@ class Measured:
     stage: Tally
     consumer: Tally  # the training loop between a batch and its next request
     window_s: float  # the time the stage worked, from the trial's first task to its end
-    process_cpu_s: float  # CPU time of the whole process over the window
+    process_cpu_s: float  # CPU time of the loader's threads and the training loop's over the
+    # window: the process's, less its other threads' (:mod:`torch_spdl.loader_threads`)
     workers: int
     tasks_per_batch: float = 1.0  # 1 for a batch-level stage, the batch size for a sample stage
     consumer_window_s: float = 0.0  # from the training loop's first measured step to the end
@@ -287,7 +288,8 @@ class Measured:
 
     @property
     def busy_cores(self) -> float:
-        """The cores the loader kept busy: the process's CPU less the training loop's steps."""
+        """The cores the loader kept busy: the CPU time of its threads and of the training loop's
+        thread outside its steps."""
         if self.window_s <= 0:
             return 0.0
         return max(0.0, self.process_cpu_s - self.consumer.cpu) / self.window_s
@@ -643,6 +645,8 @@ class Trial:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _began: float | None = None
     _process_cpu: float = 0.0
+    _threads_cpu: dict[int, float] = field(default_factory=dict)  # each thread's, as it began
+    _ours: set[int] = field(default_factory=set)  # native ids: the loop's thread, the stage's
     _ticks: steal.CpuTicks | None = None  # the host's CPU ticks as the window began
     working: WorkingTime = field(default_factory=WorkingTime)
     _step_began: tuple[float, float, float] | None = None
@@ -696,9 +700,11 @@ class Trial:
             if self._began is None:
                 self._ticks = steal.cpu_ticks(own_cpus())
                 self._process_cpu = time.process_time()
+                self._threads_cpu = loader_threads.cpu_by_thread()
                 self._began = time.perf_counter()
             self.started += 1
             self.working.task_began()
+            self._ours.add(threading.get_native_id())
         begin = ThreadClock.read()
         try:
             return fn(task)
@@ -721,6 +727,10 @@ class Trial:
 
     def step_began(self) -> None:
         """The training loop got a batch: its step begins."""
+        thread = threading.get_native_id()
+        if thread not in self._ours:
+            with self._lock:
+                self._ours.add(thread)
         if self._began is not None:  # before the stage's first task there is nothing to share
             self._step_switches = context_switches()
             self._step_began = ThreadClock.read()
@@ -787,11 +797,12 @@ class Trial:
             now = time.perf_counter()
             worked_s, others_s = self.working.totals()
             stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks(own_cpus()))
+            not_ours = loader_threads.others_cpu_s(self._threads_cpu, self._ours)
             return Measured(
                 self.stage.unstolen(stolen),
                 self.consumer.unstolen(stolen),
                 worked_s,
-                (time.process_time() - self._process_cpu) * (1.0 + stolen),
+                (time.process_time() - self._process_cpu - not_ours) * (1.0 + stolen),
                 self.workers,
                 self.tasks_per_batch,
                 now - (self._first_step or now),
@@ -821,6 +832,10 @@ class Knocker:
         self._thread.start()
 
     def _run(self) -> None:
+        with loader_threads.member():
+            self._knock()
+
+    def _knock(self) -> None:
         slack = 0.0 if _exact_timers() else 60e-6  # Linux's default timer slack is 50 µs
         while not self._stopped.is_set():
             waits, begin = self.waits, ThreadClock.read()

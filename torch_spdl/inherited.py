@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from . import loader_threads
 from .sampling import process_group
 
 
@@ -175,12 +176,14 @@ Target = TypeVar("Target", bound=Callable[..., Any])
 
 def in_thread(target: Target) -> Target:
     """``target``, to run in a new thread with the calling thread's grad mode, as a worker forked
-    from the calling thread would have it (see the module's docstring)."""
+    from the calling thread would have it (see the module's docstring), and counted as one of
+    the loader's threads while it runs (:mod:`torch_spdl.loader_threads`)."""
     grad_enabled = torch.is_grad_enabled()
 
     @functools.wraps(target)
     def run(*args: Any, **kwargs: Any) -> Any:
         torch.set_grad_enabled(grad_enabled)
-        return target(*args, **kwargs)
+        with loader_threads.member():
+            return target(*args, **kwargs)
 
     return run  # type: ignore[return-value]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from . import segments
+from . import loader_threads, segments
 from .compat import (
     RNG,
     WORKER_INFO_FIELDS,
@@ -166,14 +166,15 @@ def _start_with_workers_info(thread: threading.Thread) -> None:
     In a torch worker process every thread sees the worker's info, so a dataset may read it in a
     thread it starts (a prefetching producer in an IterableDataset's ``__iter__``); a thread-local
     info is not inherited, and such a thread would get None and read the whole stream, on every
-    worker. Threads started elsewhere start as they always do."""
+    worker. Such a thread counts as one of the loader's (:mod:`torch_spdl.loader_threads`): its
+    work is the stage's. Threads started elsewhere start as they always do."""
     own, asked = _thread_state.__dict__.get("info"), _thread_state.asked
     if own is not None:
         run = thread.run
 
         def run_as_worker() -> None:
             _thread_state.asked = asked
-            with as_worker(own):
+            with as_worker(own), loader_threads.member():  # its CPU time is the stage's
                 run()
 
         thread.run = run_as_worker  # type: ignore[method-assign]
