@@ -159,6 +159,7 @@ def report(name="preprocess", kind="thread", workers=2, busy=0.95, cpu=0.95):
         ([report(workers=2, cpu=0.97)], 0.9, "preprocess", "CPU-bound on all 2 CPUs"),
         ([report(busy=0.3)], 0.9, "none", "prefetch_factor"),
         ([report("fetch", kind="inline", workers=1)], 0.9, "fetch", "set num_workers"),
+        ([report("fetch", kind="inline", workers=1, busy=0.3)], 0.9, "fetch", "(num_workers=0)"),
         ([report("collate", kind="stream", workers=1)], 0.9, "collate", "preallocated batch"),
     ],
 )
@@ -166,6 +167,16 @@ def test_diagnosis(stages, wait, bottleneck, advice):
     got_bottleneck, suggestion = diagnose(stages, batches=10, wait_fraction=wait, cpus=2)
     assert got_bottleneck == bottleneck
     assert advice in suggestion
+
+
+def test_an_inline_stage_auto_chose_is_the_bottleneck_with_no_prefetch_advice():
+    """Inline, nothing runs ahead of the loop: however little of its time the fetching takes
+    (sampling, collating and the loop's own calls take the rest), raising prefetch_factor or
+    num_workers changes nothing."""
+    stages = [report("fetch", kind="inline", workers=1, busy=0.66)]
+    bottleneck, suggestion = diagnose(stages, batches=10, wait_fraction=0.77, cpus=2, auto=True)
+    assert bottleneck == "fetch" and "worker_method='auto'" in suggestion
+    assert "prefetch_factor" not in suggestion and "set num_workers" not in suggestion
 
 
 def test_stats_interval_logs_while_the_training_loop_waits(caplog):

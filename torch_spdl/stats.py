@@ -76,9 +76,14 @@ class LoaderStats:
 
 
 def diagnose(
-    stages: list[StageReport], batches: int, wait_fraction: float, cpus: int | None = None
+    stages: list[StageReport],
+    batches: int,
+    wait_fraction: float,
+    cpus: int | None = None,
+    auto: bool = False,
 ) -> tuple[str, str]:
-    """``(bottleneck, suggestion)`` from the stage figures and the consumer's waiting."""
+    """``(bottleneck, suggestion)`` from the stage figures and the consumer's waiting; ``auto``:
+    ``worker_method="auto"`` chose where the CPU stage runs."""
     cpus = cpus or cores()
     if batches and wait_fraction < KEEPS_UP:
         return "training loop", (
@@ -87,6 +92,9 @@ def diagnose(
         )
     if not stages:
         return "", "no batches yet"
+    inline = [report for report in stages if report.kind == "inline"]
+    if inline:  # the training loop's waits are its own work, however busy that keeps it
+        return inline[0].name, _inline_advice(inline[0], auto)
     worst = max(stages, key=lambda report: report.busy)
     if worst.busy < SATURATED:
         return "none", (
@@ -98,8 +106,6 @@ def diagnose(
 
 def _advice(stage: StageReport, cpus: int) -> str:
     busy = f"stage {stage.name!r} is busy {stage.busy:.0%} of the time"
-    if stage.kind == "inline":
-        return f"{busy} in the training loop's own thread (num_workers=0): set num_workers"
     if stage.kind == "async":
         return f"{busy} with {stage.workers} calls in flight: raise io_workers"
     if stage.name in IO_STAGES:
@@ -122,6 +128,20 @@ def _advice(stage: StageReport, cpus: int) -> str:
     return (
         f"{busy} and CPU-bound on all {cpus} CPUs: make its work cheaper (decode at reduced "
         "size, augment on the GPU) or use more machines"
+    )
+
+
+def _inline_advice(stage: StageReport, auto: bool) -> str:
+    """Inline, no stage runs ahead of the training loop: ``prefetch_factor`` and more threads
+    change nothing. Under ``"auto"``, a hand-off to a worker cost more than a batch."""
+    busy = f"stage {stage.name!r} is busy {stage.busy:.0%} of the time"
+    if not auto:
+        return f"{busy} in the training loop's own thread (num_workers=0): set num_workers"
+    return (
+        f"{busy} in the training loop's own thread, where worker_method='auto' found a batch "
+        "cheaper to make than to hand over from a worker: the loop waits for its own fetching. "
+        "Make a batch cheaper (a __getitems__ that reads it at once), or compare "
+        "worker_method='process'"
     )
 
 
@@ -164,7 +184,8 @@ class StatsProbe:
     def report(self) -> LoaderStats:
         stages = [self._kind(stats.report()) for stats in self.stages]
         batches, waiting = self.clock.batches, self.clock.wait_fraction()
-        bottleneck, suggestion = diagnose(stages, batches, waiting)
+        executor = self._executor()
+        bottleneck, suggestion = diagnose(stages, batches, waiting, auto=executor != "")
         skipped = list(self.budget.failures)
         busy = in_flight(self.stages)
         return LoaderStats(
@@ -175,7 +196,7 @@ class StatsProbe:
             bottleneck,
             suggestion,
             busy,
-            self._executor(),
+            executor,
             str(self.plan),
         )
 
