@@ -67,3 +67,13 @@ def test_a_member_is_the_loaders_only_while_it_runs():
         inside = loader_threads.others_cpu_s(since, ())
     after = loader_threads.others_cpu_s(since, ())
     assert inside < 0.05 <= after, (inside, after)
+
+
+def test_without_the_threads_listing_nothing_is_set_aside(monkeypatch):
+    """No ``/proc`` (or one of another PID namespace): the process's CPU time stands for the
+    loader's, as before the threads were told apart."""
+    since = loader_threads.cpu_by_thread()
+    monkeypatch.setattr(loader_threads, "_TASKS", "/proc/self/no-such-listing")
+    assert loader_threads.cpu_by_thread() == {}
+    assert loader_threads.others_cpu_s(since, ()) == 0.0
+    assert loader_threads.others_cpu_s({}, ()) == 0.0

@@ -39,13 +39,16 @@ def member() -> Iterator[None]:
 
 
 def cpu_by_thread() -> dict[int, float]:
-    """Each thread of this process and its CPU seconds so far (empty where unknown).
+    """Each thread of this process and its CPU seconds so far (empty where unknown: no
+    ``/proc``, or one of another PID namespace, where the calling thread is not listed).
 
     The first field of a thread's ``schedstat``, in nanoseconds: it lags a running thread's
     by up to a scheduler tick, which the windows it is read over make small."""
     try:
         threads = os.listdir(_TASKS)
     except OSError:
+        return {}
+    if str(threading.get_native_id()) not in threads:
         return {}
     seconds = {}
     for name in threads:
@@ -63,6 +66,8 @@ def others_cpu_s(since: dict[int, float], ours: Collection[int]) -> float:
     stage's tasks); a thread begun after it, all of its own. A thread ended meanwhile is not
     seen, and counts as the loader's, as the process's CPU time counts it."""
     now = cpu_by_thread()
+    if not since or not now:  # unknown at either end: none of the process's CPU is set aside
+        return 0.0
     with _lock:
         mine = _members.union(ours)
     return sum(
