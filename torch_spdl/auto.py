@@ -727,7 +727,7 @@ class Trial:
 
     def step_began(self) -> None:
         """The training loop got a batch: its step begins."""
-        thread = threading.get_native_id()
+        thread = threading.get_native_id()  # its time outside the steps is the loader's
         if thread not in self._ours:
             with self._lock:
                 self._ours.add(thread)
