@@ -6,14 +6,18 @@ process's, ours ``worker_nice`` below it, capped at 19; worker threads at the ma
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
 import torch_spdl
-from torch_spdl import priority
+from torch_spdl import compat, priority, start_method
 from torch_spdl.pipeline import PipelineBuilder
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no nice values here")
@@ -107,3 +111,49 @@ def test_the_target_is_capped_at_the_lowest_priority():
     assert priority.below_this_process(0) is None
     assert priority.below_this_process(19) == 19
     assert priority.below_this_process(1) == min(19, here() + 1)
+
+
+def child_niceness(start: Callable[[Callable[[], None]], int | None]) -> tuple[int, int | None]:
+    """The priority of a child process ``start`` starts (given the function that starts it),
+    read while it runs, and what ``start`` returned."""
+    children: list[subprocess.Popen] = []
+    began = start(lambda: children.append(subprocess.Popen(["sleep", "5"])))
+    (child,) = children
+    try:
+        return os.getpriority(os.PRIO_PROCESS, child.pid), began
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-thread priority")
+def test_a_process_started_lowered_begins_there_and_the_caller_keeps_its_own():
+    before = here()
+    lowered = min(19, before + 3)
+    assert child_niceness(lambda run: priority.start_lowered(run, lowered)) == (lowered, lowered)
+    assert here() == before  # this thread was not lowered
+    assert child_niceness(lambda run: priority.start_lowered(run, None)) == (here(), None)
+
+    def fails() -> None:
+        raise OSError("no such program")
+
+    with pytest.raises(OSError, match="no such program"):  # raised where it was called
+        priority.start_lowered(fails, lowered)
+
+
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server"
+)
+def test_the_fork_server_imports_at_the_workers_priority_and_restarts_for_a_higher_one(
+    no_child_left,
+):
+    """Its import of torch takes the cores only where the loader and the training loop leave
+    them; a later pool that wants a higher priority than the idle server's gets a new server,
+    since a worker cannot raise its own."""
+    start_method.stop_idle_server()
+    assert read(ours(worker_nice=6)) == {min(19, here() + 6)}
+    assert os.getpriority(os.PRIO_PROCESS, compat._forkserver()._forkserver_pid) == min(
+        19, here() + 6
+    )
+    assert read(ours(worker_nice=2)) == {min(19, here() + 2)}  # a new server, at +2
+    assert read(ours(worker_nice=9)) == {min(19, here() + 9)}  # that one, the workers lowered

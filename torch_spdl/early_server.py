@@ -31,11 +31,11 @@ from typing import Any
 
 from . import gil
 from .auto import PROCESS, Decision, cores
-from .compat import forkserver_running, start_forkserver
+from .compat import forkserver_running
 from .main_script import unguarded_main
 from .options import Options
 from .plan import AUTO
-from .start_method import modules_in, start_context, stop_idle_server
+from .start_method import modules_in, start_context, start_server, stop_idle_server
 
 EARLY_CORES = 8
 """Cores from which ``"auto"`` starts the fork server as the loader is made: there its start takes
@@ -66,9 +66,10 @@ def start(loader: Any, stays_on_threads: bool) -> bool:
     if forkserver_running() or unguarded_main() is not None:
         return False
     with contextlib.suppress(Exception):
-        context = start_context(loader.multiprocessing_context, modules(loader))
+        nice = loader.options.worker_nice
+        context = start_context(loader.multiprocessing_context, modules(loader), nice)
         if context.get_start_method() == "forkserver":
-            start_forkserver()
+            start_server(nice)
             return forkserver_running()
     return False
 

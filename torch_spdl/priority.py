@@ -15,6 +15,9 @@ could be kept off a core while holding it, and the loop would wait for the GIL i
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Callable
 
 #: The largest ``nice`` value; a lower priority than that does not exist.
 LOWEST = 19
@@ -51,3 +54,37 @@ def run_at(niceness: int | None) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, niceness)
     except OSError:
         pass
+
+
+def start_lowered(start: Callable[[], None], niceness: int | None) -> int | None:
+    """Run ``start``, which starts a process, so that the process begins at ``niceness`` or
+    below: on a thread of its own lowered to it, whose priority the process inherits (Linux
+    keeps a ``nice`` value per thread, and a child begins with its parent thread's). The calling
+    thread keeps its own: raising it back would take a privilege. The niceness the process
+    began at, or None where ``start`` ran at the caller's (None given, no per-thread priority,
+    or a sandbox that refused the change)."""
+    if niceness is None or not sys.platform.startswith("linux"):
+        start()
+        return None
+    began: list[int | None] = [None]
+    failed: list[BaseException] = []
+
+    def lowered() -> None:
+        this = threading.get_native_id()
+        try:
+            if os.getpriority(os.PRIO_PROCESS, this) < niceness:
+                os.setpriority(os.PRIO_PROCESS, this, niceness)
+            began[0] = os.getpriority(os.PRIO_PROCESS, this)
+        except OSError:
+            pass
+        try:
+            start()
+        except BaseException as error:  # raised where ``start`` was called
+            failed.append(error)
+
+    thread = threading.Thread(target=lowered, name="torch_spdl.lowered-start")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return began[0]

@@ -71,7 +71,6 @@ from .compat import (
     numpy_seed,
     set_thread_name,
     set_worker_signal_handlers,
-    start_forkserver,
 )
 from .copies import CopyTask
 from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
@@ -82,7 +81,14 @@ from .pipeline import EngineError, Failure, Pipeline
 from .pipeline.ahead import NOT_YET, Result
 from .pipeline.items import RAISED_IN
 from .priority import below_this_process, run_at
-from .start_method import SERVER_LOCK, exit_code, explain_pickling, modules_of, start_context
+from .start_method import (
+    SERVER_LOCK,
+    exit_code,
+    explain_pickling,
+    modules_of,
+    start_context,
+    start_server,
+)
 from .stream_state import WithState
 from .workers import set_process_worker_info, worker_info
 
@@ -527,7 +533,7 @@ class ProcessPool:
         self._local = threading.local()
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.close)
-        context = start_context(context, modules_of(job))
+        context = start_context(context, modules_of(job), nice)
         settings = inherited.capture()  # as they are now, for every worker, replacements too
         niceness = below_this_process(nice)  # this process's priority now, less ``nice``
         self._threads: dict[int, int] = {}  # thread id -> the worker process it drives
@@ -992,7 +998,7 @@ class PoolStarter:
         # torch's warning when worker processes outnumber the CPUs, given where torch gives it
         torch.utils.data.DataLoader.check_worker_number_rationality(self)  # type: ignore[arg-type]
         job = self._job()
-        context = start_context(self.multiprocessing_context, modules_of(job))
+        context = start_context(self.multiprocessing_context, modules_of(job), self.nice)
         packed = worker_start(context, job, self.worker_init_fn)
         self._check_main(context, job, packed)
         return ProcessPool(
@@ -1012,10 +1018,10 @@ class PoolStarter:
         on a 16-core host, where forking a worker from it then takes milliseconds), meanwhile
         the stage's threads go on. Whether the workers come from a fork server. A server that
         fails to start is reported by the start of the workers, which starts it again."""
-        context = start_context(self.multiprocessing_context, modules_of(self._job()))
+        context = start_context(self.multiprocessing_context, modules_of(self._job()), self.nice)
         if context.get_start_method() != "forkserver":
             return False
-        start_forkserver()
+        start_server(self.nice)
         return True
 
     def vet(self) -> Vetting:

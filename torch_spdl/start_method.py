@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import sys
 import threading
 import types
@@ -13,10 +14,13 @@ from dataclasses import fields
 from typing import Any
 
 from . import server_up
-from .compat import forkserver_preload, forkserver_running, stop_forkserver
+from .compat import forkserver_preload, forkserver_running, start_forkserver, stop_forkserver
+from .priority import below_this_process, start_lowered
 
 
-def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
+def start_context(
+    requested: Any, preload: Iterable[str] = (), workers_nice: int | None = None
+) -> Any:
     """The multiprocessing context worker processes start from.
 
     ``multiprocessing_context`` keeps torch's meaning: a context (torch has turned a method's
@@ -36,6 +40,9 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
     starts now imports them once, where each worker would import them again at every start
     (torchvision alone takes seconds, at every epoch without ``persistent_workers``).
+    ``workers_nice``: the workers will run that far below this process's priority
+    (``worker_nice``); a server we started lower than that is started again where it can be,
+    since a worker cannot raise its priority back (:func:`start_server`).
     """
     if requested is not None:
         return requested
@@ -47,15 +54,41 @@ def start_context(requested: Any, preload: Iterable[str] = ()) -> Any:
     context = multiprocessing.get_context("forkserver")
     with SERVER_LOCK:
         wanted = _forkserver_preload(preload)
-        if forkserver_running() and _lacks(_server_preload, wanted):
+        if forkserver_running() and (_lacks(_server_preload, wanted) or _too_low(workers_nice)):
             if not _stop_unused():
                 return context  # it keeps what it has: its workers import the rest themselves
             wanted = _warm_last([*_server_preload, *wanted])
         if not forkserver_running():
             context.set_forkserver_preload(wanted)
             _server_preload[:] = wanted
+            _server_niceness[0] = None  # whoever starts it next: at its own priority
             server_up.expect()  # its preload ends with WARM_MODULE, which announces it
     return context
+
+
+def start_server(workers_nice: int) -> None:
+    """Start the fork server now, where none runs, ``workers_nice`` below this process's
+    priority, the workers' (:func:`~torch_spdl.priority.start_lowered`), and return while it
+    imports its preload. Its import (torch and torchvision: 2.8 s of one core) then takes the
+    cores only where the stage's threads and the training loop leave them: on 2 cores it had
+    slowed the pass that started it, and the next, by a fifth (docs/performance.md, "A fork
+    server that imports at the workers' priority"). The workers forked from it begin at the
+    priority they will run at."""
+    with SERVER_LOCK:
+        if forkserver_running():
+            return
+        _server_niceness[0] = start_lowered(start_forkserver, below_this_process(workers_nice))
+
+
+def _too_low(workers_nice: int | None) -> bool:
+    """Whether the running server began at a lower priority than workers ``workers_nice`` below
+    this process's want (None: no wish). Their priority cannot be raised back; a restart of the
+    server (where no process of its runs) lets them have it."""
+    began = _server_niceness[0]
+    if workers_nice is None or began is None:
+        return False
+    wanted = below_this_process(workers_nice)
+    return began > (wanted if wanted is not None else os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def stop_idle_server() -> bool:
@@ -82,6 +115,7 @@ def _stop_unused() -> bool:
 # children's exit codes, so our own reads of one hold it as well (:func:`exit_code`).
 SERVER_LOCK = threading.Lock()
 _server_preload: list[str] = []
+_server_niceness: list[int | None] = [None]  # the server's, where we lowered it (start_server)
 
 
 def exit_code(process: Any, timeout: float) -> int | None:
