@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from torch_spdl import loader_threads
+from torch_spdl import auto, loader_threads
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/task"), reason="threads' CPU time is read from /proc"
@@ -77,3 +77,21 @@ def test_without_the_threads_listing_nothing_is_set_aside(monkeypatch):
     assert loader_threads.cpu_by_thread() == {}
     assert loader_threads.others_cpu_s(since, ()) == 0.0
     assert loader_threads.others_cpu_s({}, ()) == 0.0
+
+
+def test_reading_the_threads_is_not_counted_as_the_loaders_cpu_time():
+    """A trial reads every thread's CPU time at its start and end: with hundreds of threads,
+    tens of milliseconds, which a short window counted as a loader keeping 147 cores busy."""
+    idle, release = [], threading.Event()
+    for _ in range(300):
+        idle.append(threading.Thread(target=release.wait))
+        idle[-1].start()
+    try:
+        trial = auto.Trial(2)
+        trial.run(lambda task: task, 0)
+        figures = trial.measured()
+    finally:
+        release.set()
+        for thread in idle:
+            thread.join()
+    assert figures.process_cpu_s < 0.005, figures.process_cpu_s

@@ -698,9 +698,10 @@ class Trial:
         """``fn(task)`` in a stage thread, measured."""
         with self._lock:
             if self._began is None:
+                # the threads' first: reading /proc takes CPU time that is not the loader's
+                self._threads_cpu = loader_threads.cpu_by_thread()
                 self._ticks = steal.cpu_ticks(own_cpus())
                 self._process_cpu = time.process_time()
-                self._threads_cpu = loader_threads.cpu_by_thread()
                 self._began = time.perf_counter()
             self.started += 1
             self.working.task_began()
@@ -797,12 +798,14 @@ class Trial:
             now = time.perf_counter()
             worked_s, others_s = self.working.totals()
             stolen = steal.stolen_ratio(self._ticks, steal.cpu_ticks(own_cpus()))
+            process_cpu = time.process_time() - self._process_cpu
+            # read after the process's CPU time: reading /proc takes some that is not the loader's
             not_ours = loader_threads.others_cpu_s(self._threads_cpu, self._ours)
             return Measured(
                 self.stage.unstolen(stolen),
                 self.consumer.unstolen(stolen),
                 worked_s,
-                (time.process_time() - self._process_cpu - not_ours) * (1.0 + stolen),
+                (process_cpu - not_ours) * (1.0 + stolen),
                 self.workers,
                 self.tasks_per_batch,
                 now - (self._first_step or now),
