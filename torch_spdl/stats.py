@@ -104,8 +104,12 @@ def diagnose(
     return worst.name, _advice(worst, cpus)
 
 
+def _busy(stage: StageReport) -> str:
+    return f"stage {stage.name!r} is busy {stage.busy:.0%} of the time"
+
+
 def _advice(stage: StageReport, cpus: int) -> str:
-    busy = f"stage {stage.name!r} is busy {stage.busy:.0%} of the time"
+    busy = _busy(stage)
     if stage.kind == "async":
         return f"{busy} with {stage.workers} calls in flight: raise io_workers"
     if stage.name in IO_STAGES:
@@ -134,7 +138,7 @@ def _advice(stage: StageReport, cpus: int) -> str:
 def _inline_advice(stage: StageReport, auto: bool) -> str:
     """Inline, no stage runs ahead of the training loop: ``prefetch_factor`` and more threads
     change nothing. Under ``"auto"``, a hand-off to a worker cost more than a batch."""
-    busy = f"stage {stage.name!r} is busy {stage.busy:.0%} of the time"
+    busy = _busy(stage)
     if not auto:
         return f"{busy} in the training loop's own thread (num_workers=0): set num_workers"
     return (
