@@ -1151,3 +1151,25 @@ def test_random_draws_move_a_generator_as_torchs_random_sampler_does(num_samples
     ours, torchs = states(RandomDraws), states(lambda sampler: sampler)
     assert len(ours) == len(torchs) == (num_samples or N) + 1
     assert ours == torchs
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+@pytest.mark.parametrize("num_samples", [None, 10, 28, 40, 70])
+def test_a_random_order_is_torchs_random_sampler_a_chunk_at_a_time(
+    num_samples, replacement, monkeypatch
+):
+    """A pass's shuffled indices, made Python ints a few at a time (here 3, so a permutation
+    spans several chunks and a chunk ends inside a pass's tail): the indices torch's
+    RandomSampler yields, with its generator in torch's state after each index."""
+    from torch_spdl import pass_record
+
+    monkeypatch.setattr(pass_record, "ORDER_CHUNK", 3)
+
+    def indices_and_states(iterable_of: Any) -> list[tuple[int, bytes]]:
+        generator = torch.Generator().manual_seed(11)
+        sampler = tud.RandomSampler(DATA, replacement, num_samples, generator=generator)
+        return [(index, bytes(generator.get_state().numpy())) for index in iterable_of(sampler)]
+
+    ours = indices_and_states(pass_record.random_order)
+    assert ours == indices_and_states(iter)
+    assert len(ours) == (num_samples or N)
