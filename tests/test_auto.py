@@ -390,6 +390,35 @@ def test_a_trial_of_long_tasks_needs_one_per_worker():
     assert ready(8, 0.001)
 
 
+@pytest.mark.parametrize(
+    "measured_tasks, tasks_per_batch, task_cpu_s, least_s",
+    [
+        (auto.CHEAP_TRIAL_TASKS, 1, 0.0004, auto.CHEAP_TRIAL_S),  # 2 M strings' batches of 512
+        (auto.CHEAP_TRIAL_TASKS - 1, 1, 0.0004, auto.TRIAL_S),  # too few measured yet
+        (auto.CHEAP_TRIAL_TASKS, 1, 0.002, auto.TRIAL_S),  # processes may pay for such batches
+        (1000, 64, 0.00003, auto.TRIAL_S),  # a sample's 30 µs: a batch of 64 costs 1.9 ms
+        (1000, 16, 0.00003, auto.CHEAP_TRIAL_S),  # and a batch of 16 0.5 ms
+    ],
+)
+def test_a_trial_of_cheap_batches_works_a_short_while(
+    measured_tasks, tasks_per_batch, task_cpu_s, least_s
+):
+    """Batches that cost less CPU than a hand-off to a process leave the rule the training
+    loop's thread or the stage's threads, and each batch the trial's threads hand over costs
+    about as much as the batch: such a trial decides after a short while of work."""
+    trial = Trial(2, tasks_per_batch)
+    lasted(trial)
+    trial.consumer.count = auto.TRIAL_STEPS
+    trial.first.count = 2
+    trial.stage.count, trial.stage.cpu = measured_tasks, measured_tasks * task_cpu_s
+    trial.stage.wall = trial.stage.cpu
+    assert trial.least_s() == least_s
+    trial.working.seconds = auto.CHEAP_TRIAL_S
+    assert trial.ready() == (least_s == auto.CHEAP_TRIAL_S)
+    trial.working.seconds = auto.TRIAL_S
+    assert trial.ready()
+
+
 def done(trial: Trial) -> int:
     """The tasks a trial has seen end, each thread's first included."""
     return trial.stage.count + trial.first.count

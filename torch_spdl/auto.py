@@ -117,6 +117,8 @@ WARM_START_S = 0.2  # from a running fork server: each worker forks and starts (
 JOB_BYTES_PER_S = 100e6  # and the job's pickle: packed here once, unpacked by each worker (1.28 M
 # ImageFolder samples, a 73 MB pickle, added 0.77 s idle and 1.1 s busy on 2 cores)
 TRIAL_S = 0.3  # the least time the trial's stage works, once it has enough tasks and steps
+CHEAP_TRIAL_S = 0.05  # the least a trial of cheap batches works (see Trial.least_s)
+CHEAP_TRIAL_TASKS = 64  # the tasks such a trial measures at least
 TRIAL_TASKS_PER_WORKER = 2
 TRIAL_STEPS = 3  # training-loop steps (from one batch to the next request) measured at least
 TRIAL_THREADS = 4  # the threads a trial begins on: a stage the GIL binds on so few goes to
@@ -776,8 +778,22 @@ class Trial:
             began is not None
             and self._enough_tasks()
             and self.consumer.count >= TRIAL_STEPS
-            and self.working.worked_s() >= TRIAL_S
+            and self.working.worked_s() >= self.least_s()
         )
+
+    def least_s(self) -> float:
+        """The least time the stage works in the trial: :data:`TRIAL_S`, or
+        :data:`CHEAP_TRIAL_S` once :data:`CHEAP_TRIAL_TASKS` tasks measured say a batch costs
+        less CPU than :data:`INLINE_BATCH_S`. The rule then chooses between the training loop's
+        thread and the stage's threads, not processes, and the trial's threads hand over each
+        batch at a cost near the batch's own: a pass over 2 M strings in batches of 512 lost
+        12-20 % of its speed to a trial of :data:`TRIAL_S` (docs/performance.md, "A short
+        trial for cheap batches")."""
+        stage = self.stage
+        if stage.count < CHEAP_TRIAL_TASKS:
+            return TRIAL_S
+        cheap = stage.cpu / stage.count * self.tasks_per_batch < INLINE_BATCH_S
+        return min(CHEAP_TRIAL_S, TRIAL_S) if cheap else TRIAL_S
 
     def _enough_tasks(self) -> bool:
         """:attr:`needed` tasks done, or one per worker where they take :data:`TRIAL_S` or more
