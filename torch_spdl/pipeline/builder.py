@@ -57,7 +57,7 @@ import torch
 
 from ..priority import DEFAULT_WORKER_NICE, check_worker_nice
 from .channel import Gate, check_count
-from .pipeline import Pipeline, Step, _same
+from .pipeline import Pipeline, Step
 from .regroup import Regroup, aggregate, disaggregate
 from .sources import SharedSource, WorkerSource
 from .stages import Stage, Stream, is_async_callable
@@ -294,10 +294,6 @@ class PipelineBuilder:
             else:
                 stages.append(_stage(step, pools, worker_nice))
                 in_order = in_order and step.output_order == "input"
-        if not stages and not isinstance(self._source, WorkerSource):
-            # SPDL's source straight into the sink: one thread hands its items on (a worker
-            # source's own threads already do)
-            stages.append(Stage("source", _same, 1, describe=describe_item))
         return stages, in_order
 
 

@@ -112,8 +112,7 @@ class _Runtime:
                 made_by = stage.name
             else:
                 upstream, producers = self._build_stage(stage, upstream, producers, last)
-        if stages:
-            upstream, producers = self._channel_from(upstream, producers, made_by, last=True)
+        upstream, producers = self._channel_from(upstream, producers, made_by, last=True)
         self.sink = Sink(upstream, in_order=in_order, producers=producers, release=release)
         if self._starting == 0:
             self._all_started.set()
@@ -145,8 +144,6 @@ class _Runtime:
     def _build_shared_source(
         self, source: SharedSource, stages: Sequence[Step]
     ) -> tuple[Any, int, Any]:
-        if not stages:
-            raise ValueError("a pipeline over a shared source needs at least one stage")
         if source.numbered and not any(isinstance(stage, Stream) for stage in stages):
             raise ValueError(
                 "a numbered source gives several items one seq: a Stream stage must merge them"
@@ -191,7 +188,8 @@ class _Runtime:
         self, upstream: Any, producers: int, name: str, last: bool = False
     ) -> tuple[Any, int]:
         """``upstream`` as a channel: a shared reader is pulled by stage threads, so one stage
-        thread hands its items on where a sink is to read them."""
+        thread hands its items on where a sink or a regroup is to read them (a source straight
+        into the sink too; a worker source's own threads hand theirs on already)."""
         if not isinstance(upstream, SharedReader):
             return upstream, producers
         return self._build_stage(Stage(name, _same, 1, describe=describe_item), upstream, 1, last)
