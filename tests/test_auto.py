@@ -391,22 +391,24 @@ def test_a_trial_of_long_tasks_needs_one_per_worker():
 
 
 @pytest.mark.parametrize(
-    "measured_tasks, tasks_per_batch, task_cpu_s, least_s",
+    "measured_tasks, tasks_per_batch, task_cpu_s, inline, least_s",
     [
-        (auto.CHEAP_TRIAL_TASKS, 1, 0.0004, auto.CHEAP_TRIAL_S),  # 2 M strings' batches of 512
-        (auto.CHEAP_TRIAL_TASKS - 1, 1, 0.0004, auto.TRIAL_S),  # too few measured yet
-        (auto.CHEAP_TRIAL_TASKS, 1, 0.002, auto.TRIAL_S),  # processes may pay for such batches
-        (1000, 64, 0.00003, auto.TRIAL_S),  # a sample's 30 µs: a batch of 64 costs 1.9 ms
-        (1000, 16, 0.00003, auto.CHEAP_TRIAL_S),  # and a batch of 16 0.5 ms
+        (auto.CHEAP_TRIAL_TASKS, 1, 0.0004, True, auto.CHEAP_TRIAL_S),  # 2 M strings, by 512
+        (auto.CHEAP_TRIAL_TASKS - 1, 1, 0.0004, True, auto.TRIAL_S),  # too few measured yet
+        (auto.CHEAP_TRIAL_TASKS, 1, 0.002, True, auto.TRIAL_S),  # processes may pay for those
+        (1000, 64, 0.00003, True, auto.TRIAL_S),  # a sample's 30 µs: a batch of 64 costs 1.9 ms
+        (1000, 16, 0.00003, True, auto.CHEAP_TRIAL_S),  # and a batch of 16 0.5 ms
+        (1000, 16, 0.00003, False, auto.TRIAL_S),  # but a preprocess stage stays on threads
     ],
 )
 def test_a_trial_of_cheap_batches_works_a_short_while(
-    measured_tasks, tasks_per_batch, task_cpu_s, least_s
+    measured_tasks, tasks_per_batch, task_cpu_s, inline, least_s
 ):
     """Batches that cost less CPU than a hand-off to a process leave the rule the training
     loop's thread or the stage's threads, and each batch the trial's threads hand over costs
-    about as much as the batch: such a trial decides after a short while of work."""
-    trial = Trial(2, tasks_per_batch)
+    about as much as the batch: where the stage may run inline, such a trial decides after a
+    short while of work. One that may not stays on its threads whatever the trial reads."""
+    trial = Trial(2, tasks_per_batch, inline=inline)
     lasted(trial)
     trial.consumer.count = auto.TRIAL_STEPS
     trial.first.count = 2
@@ -417,6 +419,8 @@ def test_a_trial_of_cheap_batches_works_a_short_while(
     assert trial.ready() == (least_s == auto.CHEAP_TRIAL_S)
     trial.working.seconds = auto.TRIAL_S
     assert trial.ready()
+    # the trials that follow it on the same stage, this pass or the next, may run it inline too
+    assert trial.widened().inline == trial.again().inline == trial.anew(10).inline == inline
 
 
 def done(trial: Trial) -> int:

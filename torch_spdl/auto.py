@@ -612,7 +612,13 @@ def _for_state(
 
 
 def first_trial(
-    workers: int, tasks_per_batch: float, total: int | None, *, gil_enabled: bool, cpus: int
+    workers: int,
+    tasks_per_batch: float,
+    total: int | None,
+    *,
+    gil_enabled: bool,
+    cpus: int,
+    inline: bool = False,
 ) -> Trial:
     """The trial a stage of ``workers`` threads begins with: on :data:`TRIAL_THREADS` of them
     where the GIL is on and processes could run in parallel. On 15 threads that take turns on
@@ -621,8 +627,8 @@ def first_trial(
     three times sooner. Elsewhere the rule says threads whatever it measures, so a trial on
     fewer threads would only be repeated on all of them."""
     if gil_enabled and cpus >= 2 and workers > TRIAL_THREADS:
-        return Trial(TRIAL_THREADS, tasks_per_batch, total, threads=workers)
-    return Trial(workers, tasks_per_batch, total)
+        return Trial(TRIAL_THREADS, tasks_per_batch, total, threads=workers, inline=inline)
+    return Trial(workers, tasks_per_batch, total, inline=inline)
 
 
 @dataclass
@@ -640,6 +646,7 @@ class Trial:
     tasks_per_batch: float = 1.0
     total: int | None = None  # the pass's tasks, where its length is known
     threads: int = 0  # the stage's threads, where the trial runs on fewer (``workers``)
+    inline: bool = False  # the stage may run in the training loop's thread (see least_s)
     stage: Tally = field(default_factory=Tally)  # the tasks past each thread's first
     first: Tally = field(default_factory=Tally)  # each thread's first task
     consumer: Tally = field(default_factory=Tally)
@@ -688,13 +695,16 @@ class Trial:
         pass, over what the script did meanwhile) and count this pass's tasks as the next's."""
         with self._lock:
             warmed = set(self.warmed)
-        return Trial(self.workers, self.tasks_per_batch, total, self.threads, warmed=warmed)
+        return Trial(
+            self.workers, self.tasks_per_batch, total, self.threads, self.inline, warmed=warmed
+        )
 
     def _next(self, workers: int) -> Trial:
         with self._lock:
             warmed = set(self.warmed)
         threads = self.threads if workers < self.threads else 0
-        return Trial(workers, self.tasks_per_batch, self.remaining(), threads, warmed=warmed)
+        total = self.remaining()
+        return Trial(workers, self.tasks_per_batch, total, threads, self.inline, warmed=warmed)
 
     def run(self, fn: Any, task: Any) -> Any:
         """``fn(task)`` in a stage thread, measured."""
@@ -783,14 +793,17 @@ class Trial:
 
     def least_s(self) -> float:
         """The least time the stage works in the trial: :data:`TRIAL_S`, or
-        :data:`CHEAP_TRIAL_S` once :data:`CHEAP_TRIAL_TASKS` tasks measured say a batch costs
-        less CPU than :data:`INLINE_BATCH_S`. The rule then chooses between the training loop's
-        thread and the stage's threads, not processes, and the trial's threads hand over each
-        batch at a cost near the batch's own: a pass over 2 M strings in batches of 512 lost
-        12-20 % of its speed to a trial of :data:`TRIAL_S` (docs/performance.md, "A short
-        trial for cheap batches")."""
+        :data:`CHEAP_TRIAL_S` for a stage that may run inline once :data:`CHEAP_TRIAL_TASKS`
+        tasks measured say a batch costs less CPU than :data:`INLINE_BATCH_S`. The rule then
+        chooses between the training loop's thread and the stage's threads, not processes, and
+        the trial's threads hand over each batch at a cost near the batch's own: a pass over 2 M
+        strings in batches of 512 lost 12-20 % of its speed to a trial of :data:`TRIAL_S`
+        (docs/performance.md, "A short trial for cheap batches"). A stage that cannot run
+        inline stays on its threads through the trial and after it: a short trial would save
+        it nothing, and would read its batches' CPU over fewer of them where the rule's bound
+        between threads and processes is near (workload B's ``preprocess``: 0.6-0.9 ms)."""
         stage = self.stage
-        if stage.count < CHEAP_TRIAL_TASKS:
+        if not self.inline or stage.count < CHEAP_TRIAL_TASKS:
             return TRIAL_S
         cheap = stage.cpu / stage.count * self.tasks_per_batch < INLINE_BATCH_S
         return min(CHEAP_TRIAL_S, TRIAL_S) if cheap else TRIAL_S

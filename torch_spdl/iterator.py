@@ -501,7 +501,14 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             total = self._pass_tasks(tasks_per_batch)
             gil_on = gil.gil_enabled()
             workers = self._num_workers
-            trial = first_trial(workers, tasks_per_batch, total, gil_enabled=gil_on, cpus=cores())
+            trial = first_trial(
+                workers,
+                tasks_per_batch,
+                total,
+                gil_enabled=gil_on,
+                cpus=cores(),
+                inline=inline_possible,
+            )
         make_pool = process_pool(self, loader, self._moved)
         switch = Switch(
             fn,
