@@ -290,13 +290,23 @@ def random_order(sampler: Any) -> Iterator[Any]:
     torch's RandomSampler."""
     if type(sampler) is not RandomSampler or sampler.replacement:
         return iter(sampler)
-    return _permutations(len(sampler.data_source), sampler.num_samples, sampler.generator)
+    return _shuffled(sampler)
 
 
-def _permutations(size: int, count: int, generator: torch.Generator | None) -> Iterator[int]:
+def _shuffled(sampler: RandomSampler) -> Iterator[int]:
+    for order, taken in _permutations(sampler):
+        yield from _ints(order[:taken])
+
+
+def _permutations(sampler: RandomSampler) -> Iterator[tuple[torch.Tensor, int]]:
+    """Each permutation torch's ``RandomSampler.__iter__`` draws without replacement, with how
+    many of its indices the pass takes; the next is drawn only once they all have been, as
+    torch draws it. :func:`random_order` and :class:`RandomDraws` both follow torch's draws
+    from here."""
+    size, count = len(sampler.data_source), sampler.num_samples
     for _ in range(count // size):
-        yield from _ints(torch.randperm(size, generator=generator))
-    yield from _ints(torch.randperm(size, generator=generator)[: count % size])
+        yield torch.randperm(size, generator=sampler.generator), size
+    yield torch.randperm(size, generator=sampler.generator), count % size
 
 
 def _ints(order: torch.Tensor) -> Iterator[int]:
@@ -322,13 +332,8 @@ class RandomDraws:
         self.sampler = sampler
 
     def __iter__(self) -> Iterator[None]:
-        size, count = len(self.sampler.data_source), self.sampler.num_samples
-        generator = self.sampler.generator
-        for _ in range(count // size):
-            torch.randperm(size, generator=generator)
-            yield from itertools.repeat(None, size)
-        torch.randperm(size, generator=generator)
-        yield from itertools.repeat(None, count % size)
+        for _, taken in _permutations(self.sampler):
+            yield from itertools.repeat(None, taken)
 
     def __len__(self) -> int:
         return self.sampler.num_samples
