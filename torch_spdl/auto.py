@@ -27,9 +27,11 @@ on its threads as usual (and delivered as usual), then picks one of three execut
   time in the run queue counts as busy): time off the CPU in a loader that is mostly idle is
   I/O, which threads do well.
 - **inline**, in the training loop's own thread as ``num_workers=0`` does, when the stage is
-  GIL-bound and a batch costs less than :data:`INLINE_BATCH_S` of CPU: there the hand-off to a
-  process costs about as much as the work. A stage that cannot run there (a ``preprocess``
-  behind a ``load``, a loader with a deadline) stays on its threads, for the same reason.
+  GIL-bound and a task costs less than :data:`HANDOFF_S` of CPU: each task crosses to a worker
+  process and back on its own (a batch, where the dataset has no hooks; a sample, in a
+  ``preprocess`` stage), and there the crossing costs the main process about as much as the
+  work. A stage that cannot run there (a ``preprocess`` behind a ``load``, a loader with a
+  deadline) stays on its threads, for the same reason.
 - **processes** too, whatever the GIL does, for a dataset that sets state on itself as its
   threads first read it (a handle each of torch's workers would have its own of:
   :mod:`torch_spdl.worker_state`); where they cannot start, its threads take turns.
@@ -107,7 +109,10 @@ GIL_BUSY = 0.25  # share of the probe's time spent waiting for the GIL: it is ra
 MIN_KNOCK_S = 0.01  # the probe's time before its figures say anything (a starved probe knocks
 # rarely, each knock long: its time, not its count, says when enough was seen)
 BUSY_CORES = 0.7  # the loader's cores (on a CPU or queued for one) below which waiting is I/O
-INLINE_BATCH_S = 0.001  # CPU per batch under which a GIL-bound stage is cheapest in the loop
+HANDOFF_S = 0.001  # CPU per task under which a GIL-bound stage's crossing to a process and back
+# costs the main process as much as the task: it runs inline, or stays on its threads (workload
+# B's ``preprocess``, 0.05-0.1 ms a sample, made 0.55-0.9× the threads' speed in processes at
+# 1.6-2× their main-process CPU, one message each way per sample)
 COLD_START_S = 2.0  # what starting worker processes costs where no fork server runs: it
 # imports torch and the dataset's modules (3 s on 2 cores, 7.6-12 s on 16-core GPU hosts), on
 # cores the threads are using
@@ -408,8 +413,13 @@ class Measured:
         return max(idle, self.stage_wait, held)
 
     @property
+    def task_cpu_s(self) -> float:
+        """CPU seconds of one task: what crosses to a worker process in one message."""
+        return self.stage.cpu / max(self.stage.count, 1)
+
+    @property
     def batch_cpu_s(self) -> float:
-        return self.stage.cpu / max(self.stage.count, 1) * self.tasks_per_batch
+        return self.task_cpu_s * self.tasks_per_batch
 
     @property
     def task_s(self) -> float:
@@ -426,7 +436,8 @@ class Measured:
             f"{self.consumer_queued:.0%} (the stage's threads {self.stage_queued:.0%}"
             f"{self._woken()}); "
             f"{self.busy_cores:.1f} cores busy with the loader; "
-            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch; {self._workers()}{self._stolen()}"
+            f"{self.batch_cpu_s * 1e3:.2f} ms CPU per batch{self._per_task()}; "
+            f"{self._workers()}{self._stolen()}"
             f"{self._others()}"
         )
 
@@ -444,6 +455,11 @@ class Measured:
         if self.others_cores < 0.05:
             return ""
         return f"; other programs kept {self.others_cores:.1f} cores busy"
+
+    def _per_task(self) -> str:
+        if self.tasks_per_batch == 1:
+            return ""
+        return f" ({self.task_cpu_s * 1e3:.2f} ms per task)"
 
     def _workers(self) -> str:
         if self.threads > self.workers:
@@ -517,7 +533,7 @@ def decide(
             return Decision(THREAD, why, measured, free=True, measure_again=True)
         return Decision(THREAD, why, measured, free=True)
     bound = "its threads wait for the GIL" if stage_bound else "it slows the training loop"
-    if measured.batch_cpu_s < INLINE_BATCH_S:
+    if measured.task_cpu_s < HANDOFF_S:
         return _cheap(measured, bound, inline_possible)
     if no_processes is not None:
         return Decision(THREAD, f"{bound}, but {no_processes}", measured)
@@ -536,20 +552,21 @@ def decide(
 
 
 def _cheap(measured: Measured, bound: str, inline_possible: bool) -> Decision:
-    """A GIL-bound stage whose batch costs less than handing it to a process: processes would
-    spend as much of the main process's GIL unpickling each batch as its threads spend making
-    it, so it runs in the training loop's thread where it can, and stays on its threads where it
-    cannot (a ``preprocess`` stage behind a ``load``, a loader with a deadline)."""
+    """A GIL-bound stage whose task costs less than its crossing to a process: processes would
+    spend as much of the main process's GIL sending each task and unpickling its result as its
+    threads spend doing it, so it runs in the training loop's thread where it can, and stays on
+    its threads where it cannot (a ``preprocess`` stage behind a ``load``, a loader with a
+    deadline)."""
     if inline_possible:
         return Decision(
             INLINE,
-            f"{bound}, and a batch costs less than a hand-off to a process: "
+            f"{bound}, and a task costs less than a hand-off to a process: "
             "it runs in the training loop's thread",
             measured,
         )
     return Decision(
         THREAD,
-        f"{bound}, but a batch costs less than a hand-off to a process, "
+        f"{bound}, but a task costs less than a hand-off to a process, "
         "and it cannot run in the training loop's thread",
         measured,
     )
@@ -794,18 +811,17 @@ class Trial:
     def least_s(self) -> float:
         """The least time the stage works in the trial: :data:`TRIAL_S`, or
         :data:`CHEAP_TRIAL_S` for a stage that may run inline once :data:`CHEAP_TRIAL_TASKS`
-        tasks measured say a batch costs less CPU than :data:`INLINE_BATCH_S`. The rule then
+        tasks measured say a task costs less CPU than :data:`HANDOFF_S`. The rule then
         chooses between the training loop's thread and the stage's threads, not processes, and
         the trial's threads hand over each batch at a cost near the batch's own: a pass over 2 M
         strings in batches of 512 lost 12-20 % of its speed to a trial of :data:`TRIAL_S`
         (docs/performance.md, "A short trial for cheap batches"). A stage that cannot run
         inline stays on its threads through the trial and after it: a short trial would save
-        it nothing, and would read its batches' CPU over fewer of them where the rule's bound
-        between threads and processes is near (workload B's ``preprocess``: 0.6-0.9 ms)."""
+        it nothing."""
         stage = self.stage
         if not self.inline or stage.count < CHEAP_TRIAL_TASKS:
             return TRIAL_S
-        cheap = stage.cpu / stage.count * self.tasks_per_batch < INLINE_BATCH_S
+        cheap = stage.cpu / stage.count < HANDOFF_S
         return min(CHEAP_TRIAL_S, TRIAL_S) if cheap else TRIAL_S
 
     def _enough_tasks(self) -> bool:
