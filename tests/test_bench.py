@@ -166,7 +166,8 @@ def test_peak_pss_thread_sees_memory_freed_before_the_block_ends():
         while peak.readings < seen + 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # waiting for the sampler thread to read while the block is held
         del block
-    assert peak.peak > base + 50 * MIB
+    # the lower reading: a child of an earlier test (a fork server, a worker) may exit meanwhile
+    assert peak.peak > min(base, memory.tree_pss()) + 50 * MIB
     assert not peak._thread.is_alive()
 
 
