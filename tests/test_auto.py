@@ -226,8 +226,8 @@ def test_a_cheap_gil_bound_batch_that_cannot_run_inline_stays_on_threads():
     """Workload B's ``preprocess`` (bytes to a tensor, 0.6-1.6 ms a batch of 16) behind 64
     requests on one event loop: its threads wait for the GIL the loop holds, and worker
     processes, sent each sample and sending back each tensor, made 0.55-0.9× the threads' speed
-    at 1.6-2× their main-process CPU (docs/performance.md, "Workload B's preprocess stays on
-    threads"). The bound is per task, each task's crossing: a batch of them costs more."""
+    at 1.6-2× their main-process CPU (docs/performance.md, "B's `preprocess`: the bound is a
+    task's"). The bound is per task, each task's crossing: a batch of them costs more."""
     for batch_cpu_ms in (0.7, 1.6):
         b = measured(
             stage_wait=0.3,

@@ -212,6 +212,11 @@ class Tally:
         return dataclasses.replace(self, cpu=cpu)
 
     @property
+    def cpu_each(self) -> float:
+        """The mean CPU seconds of one span (0 before the first)."""
+        return self.cpu / max(self.count, 1)
+
+    @property
     def waiting_s(self) -> float:
         """The time spent neither on a CPU nor waiting for one."""
         return max(0.0, self.wall - self.cpu - self.queue)
@@ -415,7 +420,7 @@ class Measured:
     @property
     def task_cpu_s(self) -> float:
         """CPU seconds of one task: what crosses to a worker process in one message."""
-        return self.stage.cpu / max(self.stage.count, 1)
+        return self.stage.cpu_each
 
     @property
     def batch_cpu_s(self) -> float:
@@ -821,7 +826,7 @@ class Trial:
         stage = self.stage
         if not self.inline or stage.count < CHEAP_TRIAL_TASKS:
             return TRIAL_S
-        cheap = stage.cpu / stage.count < HANDOFF_S
+        cheap = stage.cpu_each < HANDOFF_S
         return min(CHEAP_TRIAL_S, TRIAL_S) if cheap else TRIAL_S
 
     def _enough_tasks(self) -> bool:
