@@ -14,7 +14,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from index_datasets import Indices, StagedIndices
+from index_datasets import Indices, StagedIndices, Stream
 from torch.utils.data import (
     BatchSampler,
     Dataset,
@@ -25,21 +25,6 @@ from torch.utils.data import (
 )
 
 from torch_spdl import DataLoader
-
-
-class Stream(IterableDataset):
-    """0..n-1, split across worker threads by get_worker_info(), as torch's docs show."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        return iter(range(worker, self.n, workers))
 
 
 class Positioned(IterableDataset):

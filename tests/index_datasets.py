@@ -1,4 +1,4 @@
-"""Map-style datasets whose sample is its own index, shared by several test modules."""
+"""Datasets whose sample is its own index, shared by several test modules."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from torch_spdl import StagedDataset
 
@@ -33,6 +33,21 @@ class StagedIndices(StagedDataset):
 
     def load(self, index: int) -> int:
         return index
+
+
+class Stream(IterableDataset):
+    """0..n-1, split across workers by get_worker_info(), as torch's docs show."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return iter(range(worker, self.n, workers))
 
 
 class WaitsAt(Dataset):

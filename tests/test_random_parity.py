@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data as tud
+from index_datasets import Indices, StagedIndices, Stream
 
 import torch_spdl
 
@@ -27,48 +28,8 @@ KINDS = ("map", "staged", "iterable")
 pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
-class Samples(tud.Dataset):
-    """Sample ``i`` is ``(tensor([i]), i)``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return torch.tensor([index]), index
-
-
-class StagedSamples(torch_spdl.StagedDataset):
-    """The same samples through ``load``/``preprocess``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def load(self, index: int) -> int:
-        return index
-
-    def preprocess(self, raw: int) -> tuple[torch.Tensor, int]:
-        return torch.tensor([raw]), raw
-
-
-class Stream(tud.IterableDataset):
-    """The same samples as a stream, each worker taking every ``num_workers``-th."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        info = tud.get_worker_info()
-        first, step = (0, 1) if info is None else (info.id, info.num_workers)
-        return ((torch.tensor([i]), i) for i in range(first, self.n, step))
-
-
-DATASETS = {"map": Samples, "staged": StagedSamples, "iterable": Stream}
+# sample i is i in each
+DATASETS = {"map": Indices, "staged": StagedIndices, "iterable": Stream}
 
 
 def draw(seed: int) -> dict[str, Any]:
@@ -109,7 +70,7 @@ def loader(case: dict[str, Any], cls: type) -> tud.DataLoader:
 
 
 def indices(batch: Any, batched: bool) -> list[int]:
-    return batch[1].tolist() if batched else [batch[1]]
+    return batch.tolist() if batched else [batch]
 
 
 def read(case: dict[str, Any], cls: type) -> Any:
