@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import re
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +47,13 @@ RETRY_HANGS = {"accelerate_prepare"}
 rebuilt torch DataLoader, whose forked worker processes were seen to hang now and then in these
 ranks (workers idle in ``index_queue.get``, the main process in ``_try_get_data``), also with no
 torch_spdl loader in the process at all: about once in 200 to 450 epochs. A hang that comes back
-fails the test; one that does not is reported as a warning."""
+fails the test; one that does not is reported as a warning. A scenario of any row is run once more
+too where a rank hung inside torch's own reference loader (:func:`hung_in_torchs_loader`): the
+same hang, in the same ranks."""
+
+TORCHS_FRAME = re.compile(r"line \d+ in torchs$", re.MULTILINE)
+"""The frame of :func:`sharing_scenarios.torchs` in a rank's stack dump: the rank was reading
+torch's own loader, the reference, when it hung."""
 
 pytestmark = [pytest.mark.timeout(BUDGET_S + 60), pytest.mark.integration]
 
@@ -62,6 +69,7 @@ class Outcome:
     ranks: list[dict] | None = None
     failure: str | None = None
     hung: bool = False  # a rank started it and never finished
+    in_torch: bool = False  # ... and some rank hung inside torch's reference loader
     retried: str | None = None  # why it was run once more
 
 
@@ -129,21 +137,32 @@ def read_outcomes(out: Path, pending: list[str], ended: str | None) -> dict[str,
             continue
         started = [(out / f"rank{r}" / f"{name}.started").exists() for r in range(WORLD)]
         hung = any(go and record is None for go, record in zip(started, ranks, strict=True))
-        decided[name] = Outcome(failure=describe(out, name, ranks, ended), hung=hung)
+        failure = describe(out, name, ranks, ended)
+        in_torch = hung and hung_in_torchs_loader(out, name)
+        decided[name] = Outcome(failure=failure, hung=hung, in_torch=in_torch)
         break
     return decided
 
 
 def retry_once(decided: dict[str, Outcome], retried: dict[str, str]) -> dict[str, Outcome]:
-    """``decided`` less a first hang in a row of :data:`RETRY_HANGS` (noted in ``retried``,
-    to run again), each outcome marked with why it was run again, if it was."""
+    """``decided`` less a first hang in a row of :data:`RETRY_HANGS` or inside torch's loader
+    (noted in ``retried``, to run again), each outcome marked with why it was run again, if it
+    was."""
     kept = {}
     for name, result in decided.items():
-        if result.hung and name.rsplit("-", 2)[0] in RETRY_HANGS and name not in retried:
+        torchs = result.in_torch or name.rsplit("-", 2)[0] in RETRY_HANGS
+        if result.hung and torchs and name not in retried:
             retried[name] = str(result.failure)
             continue
         kept[name] = dataclasses.replace(result, retried=retried.get(name))
     return kept
+
+
+def hung_in_torchs_loader(out: Path, name: str) -> bool:
+    """Whether a rank's stack dump for scenario ``name`` shows it reading torch's reference
+    loader: torch's hang, which the other rank then waits on at its next collective."""
+    dumps = (out / f"rank{rank}" / f"{name}.stacks" for rank in range(WORLD))
+    return any(path.exists() and TORCHS_FRAME.search(path.read_text()) for path in dumps)
 
 
 def read_record(out: Path, rank: int, name: str) -> dict | None:
