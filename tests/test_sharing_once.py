@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import faulthandler
 import itertools
 import re
 import time
@@ -51,7 +52,7 @@ fails the test; one that does not is reported as a warning. A scenario of any ro
 too where a rank hung inside torch's own reference loader (:func:`hung_in_torchs_loader`): the
 same hang, in the same ranks."""
 
-TORCHS_FRAME = re.compile(r"line \d+ in torchs$", re.MULTILINE)
+TORCHS_FRAME = re.compile(rf"line \d+ in {sharing_scenarios.torchs.__name__}$", re.MULTILINE)
 """The frame of :func:`sharing_scenarios.torchs` in a rank's stack dump: the rank was reading
 torch's own loader, the reference, when it hung."""
 
@@ -318,3 +319,46 @@ def test_a_datapipe_is_read_once_across_the_ranks(outcomes, workers, method):
     whole = union(ranks, "torch")
     assert whole == collections.Counter(range(1000, 1021))
     assert_split_once(ranks, whole, range_streams(21, workers))
+
+
+# -- the harness's own rule for a hang it runs again ---------------------------------------------
+def test_a_hang_is_taken_for_torchs_only_where_a_rank_stood_in_torchs_reference(
+    tmp_path, monkeypatch
+):
+    """A rank's stack dump taken while it reads torch's reference loader is found to be torch's
+    hang; one taken while it reads torch_spdl's is not (the scenario is not run again)."""
+    name = scenario_name("dump", 2, "thread")
+
+    def dump(out: Path, rank: int, in_torchs: bool) -> None:
+        """Rank ``rank``'s dump in ``out``, as faulthandler writes it, taken inside the row's
+        loader: torch's reference (through ``torchs``) or torch_spdl's."""
+
+        def row(ctx: sharing_scenarios.Rank, loader) -> dict:
+            folder = out / f"rank{rank}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with (folder / f"{name}.stacks").open("w") as sink:
+                faulthandler.dump_traceback(file=sink)
+            return {}
+
+        monkeypatch.setitem(sharing_scenarios.ROWS, "dump", row)
+        monkeypatch.setattr(sharing_scenarios, "_TORCH", {})
+        ctx = sharing_scenarios.Rank(rank, WORLD, accelerator=None)
+        if in_torchs:
+            sharing_scenarios.torchs(ctx, "dump", 2)
+        else:
+            sharing_scenarios.seeded(ctx, "dump", loader=object())  # the row never calls it
+
+    torch_hung, ours_hung = tmp_path / "torch", tmp_path / "ours"
+    dump(torch_hung, 0, in_torchs=False)  # rank 0 waits for rank 1 in torch_spdl's loader
+    dump(torch_hung, 1, in_torchs=True)
+    dump(ours_hung, 0, in_torchs=False)
+    dump(ours_hung, 1, in_torchs=False)
+    assert hung_in_torchs_loader(torch_hung, name)
+    assert not hung_in_torchs_loader(ours_hung, name)
+    retried: dict[str, str] = {}
+    hang = Outcome(failure="hung", hung=True, in_torch=True)
+    assert retry_once({name: hang}, retried) == {} and name in retried  # run once more
+    again = retry_once({name: hang}, retried)[name]
+    assert again.retried == "hung"  # the second hang is kept, and says it was retried
+    ours = Outcome(failure="hung", hung=True, in_torch=False)
+    assert retry_once({name: ours}, {})[name].retried is None  # ours: not run again
