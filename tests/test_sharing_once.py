@@ -151,8 +151,8 @@ def retry_once(decided: dict[str, Outcome], retried: dict[str, str]) -> dict[str
     was."""
     kept = {}
     for name, result in decided.items():
-        torchs = result.in_torch or name.rsplit("-", 2)[0] in RETRY_HANGS
-        if result.hung and torchs and name not in retried:
+        torchs_hang = result.in_torch or name.rsplit("-", 2)[0] in RETRY_HANGS
+        if result.hung and torchs_hang and name not in retried:
             retried[name] = str(result.failure)
             continue
         kept[name] = dataclasses.replace(result, retried=retried.get(name))
@@ -162,8 +162,13 @@ def retry_once(decided: dict[str, Outcome], retried: dict[str, str]) -> dict[str
 def hung_in_torchs_loader(out: Path, name: str) -> bool:
     """Whether a rank's stack dump for scenario ``name`` shows it reading torch's reference
     loader: torch's hang, which the other rank then waits on at its next collective."""
-    dumps = (out / f"rank{rank}" / f"{name}.stacks" for rank in range(WORLD))
-    return any(path.exists() and TORCHS_FRAME.search(path.read_text()) for path in dumps)
+    return any(TORCHS_FRAME.search(stack_dump(out, rank, name)) for rank in range(WORLD))
+
+
+def stack_dump(out: Path, rank: int, name: str) -> str:
+    """Rank ``rank``'s stacks, dumped while scenario ``name`` was still running; "" if none."""
+    path = out / f"rank{rank}" / f"{name}.stacks"
+    return path.read_text() if path.exists() else ""
 
 
 def read_record(out: Path, rank: int, name: str) -> dict | None:
@@ -179,9 +184,9 @@ def describe(out: Path, name: str, ranks: list[dict | None], ended: str | None) 
             lines.append(f"rank {rank} raised:\n{record['error']}")
         elif record is None and (out / f"rank{rank}" / f"{name}.started").exists():
             lines.append(f"rank {rank}: started it, never finished (a hang or a crash)")
-            stacks = out / f"rank{rank}" / f"{name}.stacks"
-            if stacks.exists() and stacks.stat().st_size:
-                lines.append(f"its threads after {DUMP_AFTER_S} s:\n{stacks.read_text()}")
+            stacks = stack_dump(out, rank, name)
+            if stacks:
+                lines.append(f"its threads after {DUMP_AFTER_S} s:\n{stacks}")
         elif record is None:
             lines.append(f"rank {rank}: never started it")
     return "\n".join(lines)
