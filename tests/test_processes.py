@@ -1114,8 +1114,31 @@ def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, cho
     """A process that used the default context once reads as having chosen ``fork``."""
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: chosen)
     context = start_method.start_context(None)
-    assert context.get_start_method() == ("forkserver" if chosen in (None, "fork") else chosen)
+    assert context.get_start_method() == ("spawn" if chosen == "spawn" else "forkserver")
     assert start_method.start_context(CONTEXT) is CONTEXT
+
+
+class PreloadManaged(Exception):
+    pass
+
+
+@pytest.mark.parametrize("chosen", [None, "fork", "forkserver", "spawn"])
+def test_the_fork_server_is_ours_to_preload_whoever_named_it(monkeypatch, chosen):
+    """Since Python 3.14 the default start method is ``forkserver``, and a process that used the
+    default context once (a ``Queue()``, torch's own loader with workers) reads as having chosen
+    it: its server must still get the workers' preload, and restart for modules or priority,
+    or every worker imports torch_spdl and the script's modules again at its start."""
+
+    def preload(extra=()):
+        raise PreloadManaged(list(extra))
+
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: chosen)
+    monkeypatch.setattr(start_method, "_forkserver_preload", preload)
+    if chosen == "spawn":
+        assert start_method.start_context(None, ["wave"]).get_start_method() == "spawn"
+        return
+    with pytest.raises(PreloadManaged, match="wave"):
+        start_method.start_context(None, ["wave"])
 
 
 def _report_modules(conn, names):
@@ -1851,7 +1874,12 @@ def as_given(samples: list[Any]) -> list[Any]:
     "what, error, names",
     [
         ("exception", RuntimeError, ["dataset index 5", "Local: a class of the function's own"]),
-        ("result", AttributeError, ["dataset indices [4, 5]", "local object"]),
+        # pickle's own error, re-raised with its class: AttributeError, PicklingError from 3.14
+        (
+            "result",
+            (AttributeError, pickle.PicklingError),
+            ["dataset indices [4, 5]", "local object"],
+        ),
     ],
 )
 def test_what_cannot_be_pickled_back_fails_its_batch_naming_it(what, error, names):

@@ -30,11 +30,14 @@ def start_context(
     while one of them holds a lock inherits the lock held, forever (Python ≥ 3.12 warns of this).
     So workers start from a fork server, Python 3.14's default on Linux: a fresh interpreter that
     imports torch and this module once, from which each worker is forked in milliseconds. A
-    program that chose ``spawn`` or ``forkserver`` itself (``multiprocessing.set_start_method``)
-    keeps its choice. A chosen ``fork`` cannot be told from the default: multiprocessing reads
-    as having chosen ``fork`` once anything used its default context (a ``Queue()``, torch's own
-    loader with workers), so forking on it would fork threaded processes in most programs; ask
-    for it with ``multiprocessing_context="fork"``.
+    program that chose ``spawn`` itself (``multiprocessing.set_start_method``) keeps its choice.
+    A chosen method cannot be told from the default: multiprocessing reads as having chosen its
+    default (``fork``, ``forkserver`` from Python 3.14) once anything used its default context
+    (a ``Queue()``, torch's own loader with workers). A ``fork`` read so is not taken, since it
+    would fork threaded processes in most programs (ask for it with
+    ``multiprocessing_context="fork"``), and a ``forkserver`` read so is the server we start
+    from anyway, whose preload and restarts below must still be ours: left as the first user
+    started it, its workers would import torch_spdl and the script's modules at every start.
     Like ``spawn``, a fork server pickles what a worker is given and imports the main script in
     the worker, which therefore needs an ``if __name__ == "__main__":`` guard. ``preload`` names
     the modules a worker will import to unpickle that (:func:`modules_of`): a fork server that
@@ -47,7 +50,7 @@ def start_context(
     if requested is not None:
         return requested
     chosen = multiprocessing.get_start_method(allow_none=True)
-    if chosen not in (None, "fork"):
+    if chosen not in (None, "fork", "forkserver"):
         return multiprocessing.get_context(chosen)
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
