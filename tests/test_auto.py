@@ -1549,11 +1549,16 @@ def inline_if_possible(monkeypatch):
     return possible
 
 
+def no_setup(worker_id: int) -> None:
+    """A ``worker_init_fn`` (module-level: torch's loader pickles it where workers start from a
+    fork server, Python 3.14's default)."""
+
+
 @pytest.mark.parametrize(
     "dataset, worker_init_fn, inline",
     [
         (Indices(600), None, True),
-        (Indices(600), lambda worker_id: None, False),  # it may set up what the worker reads
+        (Indices(600), no_setup, False),  # it may set up what the worker reads
         (SeededByWorker(), None, False),  # it asked which worker it is
     ],
 )

@@ -157,22 +157,21 @@ def test_torchs_loader_has_the_private_attributes_torch_spdl_builds_on(dataset):
     )
 
 
+class NumWorkersSeen(Items):
+    """What torch's worker module tells each sample about its worker (module-level: torch's
+    loader pickles it where workers start from a fork server, Python 3.14's default)."""
+
+    def __getitem__(self, index):
+        return tud._utils.worker.get_worker_info().num_workers
+
+
 def test_get_worker_info_is_torchs_own_function_changed_in_place():
     """Every reference sees a worker thread's info, and torch's answer everywhere else."""
     assert torch_spdl.get_worker_info is tud.get_worker_info
     assert tud._utils.worker.get_worker_info is tud.get_worker_info
-    seen = []
-    lock = threading.Lock()
-
-    class Records(Items):
-        def __getitem__(self, index):
-            with lock:
-                seen.append(tud._utils.worker.get_worker_info().num_workers)
-            return index
-
-    assert list(torch_spdl.DataLoader(Records(), num_workers=2)) == [0, 1, 2, 3]
-    assert seen == [2] * 4 and tud.get_worker_info() is None
-    assert [b.item() for b in tud.DataLoader(Records(), num_workers=1)] == [0, 1, 2, 3]
+    assert list(torch_spdl.DataLoader(NumWorkersSeen(), num_workers=2)) == [2] * 4
+    assert tud.get_worker_info() is None
+    assert [b.item() for b in tud.DataLoader(NumWorkersSeen(), num_workers=1)] == [1] * 4
 
 
 # -- private attributes and names outside torch's modules -----------------------------------------

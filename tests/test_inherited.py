@@ -4,6 +4,7 @@ worker processes, the process-wide settings a fresh interpreter would not have."
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 from typing import Any
 
@@ -63,16 +64,27 @@ MODES = [
 ]
 METHODS = ["thread", "process", "auto"]
 
+# torch's reference workers, forked: the behaviour these tests hold torch_spdl to. Started from a
+# fork server (Python 3.14's default on Linux), they run with a fresh interpreter's settings.
+FORKED = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork: no reference"
+)
+
+
+def torchs_forked(dataset: Dataset, **kwargs: Any) -> tud.DataLoader:
+    return tud.DataLoader(dataset, num_workers=2, multiprocessing_context="fork", **kwargs)
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dataset_type", [Embeds, StagedEmbeds])
+@FORKED
 def test_an_evaluation_under_no_grad_gets_torchs_batches(dataset_type, method, mode, no_child_left):
     """torch's workers, forked from the iterating thread, run without autograd: the samples do not
     require grad and collate. Worker threads start with grad enabled; the loader's have their
     starter's mode."""
     dataset = dataset_type()
-    want = batches(tud.DataLoader(Embeds(), batch_size=4, num_workers=2), mode)
+    want = batches(torchs_forked(Embeds(), batch_size=4), mode)
     loader = torch_spdl.DataLoader(dataset, batch_size=4, num_workers=2, worker_method=method)
     assert batches(loader, mode) == want
     assert all(not requires_grad for _, requires_grad in want)
@@ -151,13 +163,14 @@ class Precision(Dataset):
         )
 
 
+@FORKED
 def test_worker_processes_run_with_the_scripts_process_wide_settings(
     settings_restored, no_child_left
 ):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_float32_matmul_precision("medium")
     torch.multiprocessing.set_sharing_strategy("file_system")  # for "Too many open files"
-    want = torch.cat(list(tud.DataLoader(Precision(), batch_size=2, num_workers=2))).tolist()
+    want = torch.cat(list(torchs_forked(Precision(), batch_size=2))).tolist()
     loader = torch_spdl.DataLoader(
         Precision(), batch_size=2, num_workers=2, worker_method="process"
     )

@@ -1257,9 +1257,14 @@ DATASETS = {
 def test_a_batch_changed_in_place_leaves_the_dataset_as_torchs_loader_does(
     batching, dataset, num_workers, worker_method
 ):
-    """torch's worker processes hand over copies, so masking a batch in place leaves the dataset
-    as it was; with ``num_workers=0`` the batch is the dataset's own memory, in torch as here."""
-    want = masked_epochs(tud.DataLoader(DATASETS[dataset](), num_workers=num_workers, **batching))
+    """torch's forked worker processes hand over copies, so masking a batch in place leaves the
+    dataset as it was; with ``num_workers=0`` the batch is the dataset's own memory, in torch as
+    here. (Started from a fork server, Python 3.14's default, torch's workers get a dataset whose
+    tensors it moved to shared memory in place, and hand back views of it.)"""
+    forked = {"multiprocessing_context": "fork"} if num_workers else {}
+    want = masked_epochs(
+        tud.DataLoader(DATASETS[dataset](), num_workers=num_workers, **forked, **batching)
+    )
     loader = torch_spdl.DataLoader(
         DATASETS[dataset](), num_workers=num_workers, worker_method=worker_method, **batching
     )
