@@ -4,13 +4,13 @@ worker processes, the process-wide settings a fresh interpreter would not have."
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.data as tud
+from forked import NEEDS_FORK
 from torch.utils.data import Dataset
 
 import torch_spdl
@@ -64,21 +64,18 @@ MODES = [
 ]
 METHODS = ["thread", "process", "auto"]
 
-# torch's reference workers, forked: the behaviour these tests hold torch_spdl to. Started from a
-# fork server (Python 3.14's default on Linux), they run with a fresh interpreter's settings.
-FORKED = pytest.mark.skipif(
-    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork: no reference"
-)
-
 
 def torchs_forked(dataset: Dataset, **kwargs: Any) -> tud.DataLoader:
+    """torch's reference workers, forked: the behaviour these tests hold torch_spdl to. Started
+    from a fork server (Python 3.14's default on Linux), they run with a fresh interpreter's
+    settings."""
     return tud.DataLoader(dataset, num_workers=2, multiprocessing_context="fork", **kwargs)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dataset_type", [Embeds, StagedEmbeds])
-@FORKED
+@NEEDS_FORK
 def test_an_evaluation_under_no_grad_gets_torchs_batches(dataset_type, method, mode, no_child_left):
     """torch's workers, forked from the iterating thread, run without autograd: the samples do not
     require grad and collate. Worker threads start with grad enabled; the loader's have their
@@ -163,7 +160,7 @@ class Precision(Dataset):
         )
 
 
-@FORKED
+@NEEDS_FORK
 def test_worker_processes_run_with_the_scripts_process_wide_settings(
     settings_restored, no_child_left
 ):

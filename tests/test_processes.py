@@ -30,6 +30,7 @@ import server_mark
 import threadpoolctl
 import torch
 import torchvision
+from forked import NEEDS_FORK
 from index_datasets import WaitsAt, WhereRead
 from iteration import drain
 from PIL import Image
@@ -59,10 +60,6 @@ EPOCHS = 2
 
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
-
-NEEDS_FORK = pytest.mark.skipif(
-    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork"
-)
 
 CONTEXT = start_method.start_context(None)
 """Where the loader starts its workers by default: their events and barriers come from it too."""
@@ -1111,7 +1108,8 @@ def test_workers_start_from_a_fork_server_unless_the_program_chose_a_method():
 
 @pytest.mark.parametrize("chosen", [None, "fork", "spawn", "forkserver"])
 def test_a_start_method_the_program_set_is_kept_unless_it_forks(monkeypatch, chosen):
-    """A process that used the default context once reads as having chosen ``fork``."""
+    """A process that used the default context once reads as having chosen its default:
+    ``fork``, ``forkserver`` from Python 3.14."""
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: chosen)
     context = start_method.start_context(None)
     assert context.get_start_method() == ("spawn" if chosen == "spawn" else "forkserver")
