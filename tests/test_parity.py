@@ -1292,6 +1292,48 @@ def test_owned_copies_views_only_and_keeps_the_structure():
     assert owned(untouched) is untouched  # nothing copied: nothing rebuilt
 
 
+class Shared(tud.Dataset):
+    """Samples that are views of what the dataset holds, of the kinds a copy might change: a
+    mask expanded to an image's size (4 bytes of memory), a ``Parameter`` and a leaf that
+    requires grad, each a row of the dataset's own."""
+
+    def __init__(self) -> None:
+        self.mask = torch.ones(1)
+        self.weights = torch.arange(12.0).view(3, 4)
+        self.leaf = torch.arange(12.0).view(3, 4).requires_grad_()
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "mask": self.mask.expand(64, 64),
+            "parameter": torch.nn.Parameter(self.weights[index]),
+            "leaf": self.leaf.detach()[index].requires_grad_(),
+        }
+
+
+def described(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a copy of a sample may keep or lose: its type, strides, autograd's view of it."""
+    return {
+        name: (type(t).__name__, t.stride(), t.is_leaf, t.requires_grad, t.tolist())
+        for name, t in batch.items()
+    }
+
+
+@pytest.mark.parametrize("worker_method", ["thread", "process"])
+def test_a_sample_keeps_its_kind_as_torchs_workers_hand_it_over(worker_method):
+    """A worker thread's sample is copied from the dataset's memory (the test above), as
+    torch's pickling copies it: an expanded tensor stays expanded (not 16 KiB per sample), a
+    ``Parameter`` a ``Parameter``, and a leaf a leaf, not a clone autograd ties to the dataset."""
+    fork = {"multiprocessing_context": "fork"}
+    want = [described(b) for b in tud.DataLoader(Shared(), None, num_workers=2, **fork)]
+    ours = list(torch_spdl.DataLoader(Shared(), None, num_workers=2, worker_method=worker_method))
+    assert [described(batch) for batch in ours] == want
+    assert want[0]["mask"][:2] == ("Tensor", (0, 0)) and want[0]["parameter"][0] == "Parameter"
+    assert all(batch["mask"].untyped_storage().nbytes() == 4 for batch in ours)
+
+
 class TagList(list):
     """A collate_fn's own batch type, with an attribute a copy of its items would lose."""
 

@@ -76,10 +76,36 @@ def _owned(tensor: torch.Tensor, whole: set[int], borrowed: list[tuple[int, int]
         return tensor
     at = tensor.data_ptr()
     if any(start <= at < end for start, end in borrowed):
-        return tensor.clone()
+        return _copy(tensor)
     if _memory(tensor) in whole:
         return tensor
-    return tensor.clone()
+    return _copy(tensor)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in memory of its own, as torch's workers hand a sample over (pickled, then
+    rebuilt): a leaf stays a leaf, not tied by autograd to the dataset's tensor (a
+    ``Parameter`` stays a ``Parameter``), and an expanded tensor stays expanded. A tensor the
+    dataset computed with autograd keeps its graph, as with ``num_workers=0`` (torch's workers
+    refuse to send it)."""
+    if not tensor.is_leaf:
+        return _memory_copy(tensor)
+    with torch.no_grad():
+        copy = _memory_copy(tensor)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_() if tensor.requires_grad else copy
+
+
+def _memory_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A compact clone of ``tensor``; where it reads fewer elements of its memory than it has
+    (an expanded tensor: zero strides), those elements alone, viewed with its strides. Cloned,
+    a mask ``expand``-ed to an image's size would take the image's memory per sample."""
+    steps = zip(tensor.shape, tensor.stride(), strict=True)
+    reached = 1 + sum((size - 1) * stride for size, stride in steps)
+    if tensor.numel() == 0 or reached >= tensor.numel():
+        return tensor.clone()
+    return tensor.as_strided((reached,), (1,)).clone().as_strided(tensor.shape, tensor.stride(), 0)
 
 
 def _borrowed(samples: Any) -> list[tuple[int, int]]:
