@@ -428,6 +428,50 @@ def test_len_with_batch_sampler():
     assert len(ours) == len(BucketBatchSampler.groups)
 
 
+class EpochSampler(tud.Sampler):
+    """Reads its epoch when iterated (``__iter__`` is no generator), and refuses a negative one."""
+
+    def __init__(self, epoch=0):
+        self.epoch = epoch
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.epoch < 0:
+            raise ValueError("a negative epoch")
+        return iter([self.epoch * 10 + i for i in range(4)])
+
+    def __len__(self):
+        return 4
+
+
+def sampler_started(cls, num_workers):
+    """When ``cls``'s loader starts its sampler: its first batch with ``set_epoch(5)`` called
+    between ``iter(loader)`` and ``next()``, and which of the two raises the sampler's error."""
+    sampler = EpochSampler()
+    it = iter(cls(list(range(100)), sampler=sampler, batch_size=2, num_workers=num_workers))
+    sampler.set_epoch(5)
+    first = next(it).tolist()
+    loader = cls(list(range(100)), sampler=EpochSampler(-1), batch_size=2, num_workers=num_workers)
+    try:
+        it = iter(loader)
+    except ValueError:
+        return first, "iter()"
+    with pytest.raises(ValueError, match="negative epoch"):
+        next(it)
+    return first, "next()"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_sampler_starts_when_torchs_does(num_workers):
+    # torch's BatchSampler starts the sampler at the first batch; its workers, by prefetching,
+    # at iter(): a set_epoch between the two counts only without workers
+    want = sampler_started(tud.DataLoader, num_workers)
+    assert want == (([50, 51], "next()") if num_workers == 0 else ([0, 1], "iter()"))
+    assert sampler_started(torch_spdl.DataLoader, num_workers) == want
+
+
 # -- IterableDataset -----------------------------------------------------------------------------
 class ShardedIterable(tud.IterableDataset):
     """Shards itself with get_worker_info(), giving the workers different numbers of items.

@@ -412,7 +412,7 @@ class PassRecord:
         ``prime`` starts a replayed sampler now, in the calling thread, as torch's worker
         iterator does when it prefetches: its seed draw never races the user's own draws.
         """
-        batches = self._batches(index_sampler, created)
+        batches = self._batches(index_sampler, created, prime)
         self._length = length_of(index_sampler)
         self._stateful = stateful_sampler(index_sampler)
         if self._stateful is not None:
@@ -422,24 +422,30 @@ class PassRecord:
             self.follow()
         return self._skipping(batches)
 
-    def _samples(self, sampler: Any) -> Iterable[Any]:
+    def _samples(self, sampler: Any, prime: bool) -> Iterable[Any]:
+        """``sampler``'s indices. ``prime``: its iteration starts now, as torch's worker
+        iterator starts it by prefetching; else at the pass's first draw, as torch's BatchSampler
+        starts it with ``num_workers=0``: there a ``set_epoch`` made after ``iter(loader)``
+        still counts, and a sampler's error comes from ``next()``. A sampler with a state of
+        its own starts now, as torchdata's BatchSampler starts it: the state a resume begins
+        from is the one its iteration started with."""
         if not replayable(sampler):
-            return iter(sampler)
+            return iter(sampler) if prime or is_stateful(sampler) else sampler
         self._replay = _Replay(sampler, self)
         return self._replay
 
-    def _batches(self, index_sampler: Any, created: Iterator[Any]) -> Iterable[Any]:
+    def _batches(self, index_sampler: Any, created: Iterator[Any], prime: bool) -> Iterable[Any]:
         if is_stateful(index_sampler):
             return created
         if type(index_sampler) is BatchSampler:
             # torch's own BatchSampler over our iterator of its sampler: same grouping code
-            inner = self._samples(index_sampler.sampler)
+            inner = self._samples(index_sampler.sampler, prime)
             size, drop_last = index_sampler.batch_size, index_sampler.drop_last
             self._follows = BatchSampler(draws_of(index_sampler.sampler), size, drop_last)
             return iter(BatchSampler(inner, size, drop_last))
         if replayable(index_sampler):
             self._follows = draws_of(index_sampler)
-            return self._samples(index_sampler)
+            return self._samples(index_sampler, prime)
         return created
 
     def _skipping(self, batches: Iterable[Any]) -> Iterator[Any]:
