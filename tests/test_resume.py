@@ -395,6 +395,40 @@ def test_torch_samplers_resume_exactly(num_workers, seeded):
         assert run(fresh) == want[1], name
 
 
+SAMPLERS_WITH_A_GENERATOR = {
+    "RandomSampler": lambda g: dict(sampler=tud.RandomSampler(range(N), generator=g)),
+    "its BatchSampler": lambda g: dict(
+        batch_sampler=tud.BatchSampler(tud.RandomSampler(range(N), generator=g), 5, False)
+    ),
+    "WeightedRandomSampler": lambda g: dict(
+        sampler=tud.WeightedRandomSampler([1.0] * N, N, generator=g)
+    ),
+}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", sorted(SAMPLERS_WITH_A_GENERATOR))
+def test_a_state_taken_before_a_later_pass_began_resumes_that_pass(kind, num_workers):
+    """Without workers a pass's sampler starts at its first batch: a state taken after
+    ``iter()`` and before it (a checkpoint at an epoch's start) records its generator as the
+    pass will start from it, not the generator the loader was made with (the first epoch's)."""
+
+    def make(cls: Any, **extra: Any) -> Any:
+        sampling = SAMPLERS_WITH_A_GENERATOR[kind](torch.Generator().manual_seed(9))
+        batching = {} if "batch_sampler" in sampling else {"batch_size": 5}
+        return cls(Indices(N), **sampling, **batching, **extra)
+
+    reference = make(tud.DataLoader)
+    want = [run(reference) for _ in range(3)]
+    loader = make(DataLoader, num_workers=num_workers)
+    assert run(loader) == want[0]
+    it, taken, state, _ = take(loader, 0)
+    del it
+    fresh = make(DataLoader, num_workers=num_workers)
+    fresh.load_state_dict(through_pickle(state))
+    assert [run(fresh), run(fresh)] == want[1:]
+
+
 class ResumableSampler(tud.Sampler[int]):
     """A sampler with torchdata's state protocol: a new seeded permutation per pass, and how far
     into it the pass is. ``drawn`` counts what it yields, to see that a resume is not a replay."""

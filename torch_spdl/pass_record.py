@@ -663,9 +663,15 @@ class PassRecord:
         fixed now, drawn from a copy of the global RNG as that first batch will draw it, and
         the pass's own draw is then dropped (:meth:`_Replay._begin`), so that the saving pass
         and a pass resumed from the state have the same order. Whether the draw is yet to come
-        (a resumed pass makes it too: the global RNG then moves as the saving pass moves it)."""
+        (a resumed pass makes it too: the global RNG then moves as the saving pass moves it).
+        A sampler with a generator of its own will start from that generator's state as it is
+        now: that is recorded, as the sampler's start records it."""
         replay = self._replay
-        if replay is None or replay.started or replay.generator is not None:
+        if replay is None or replay.started:
+            return False
+        if replay.generator is not None:
+            if self.sampler_rng is None:
+                self.sampler_rng = ("state", generator_state(replay.generator))
             return False
         if self.sampler_rng is None:
             peek = torch.Generator()
