@@ -1655,6 +1655,41 @@ class Raises(Dataset):
         return index
 
 
+class AsksLate(Dataset):
+    """Sample i is i, but the samples from ``late`` on (past the trial's, which therefore saw
+    no call) ask which worker reads them, as a rare record's log line does."""
+
+    def __init__(self, late: int = 15_000, n: int = 20_000) -> None:
+        self.late, self.n = late, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if index < self.late:
+            return index, -1
+        info = torch.utils.data.get_worker_info()
+        return index, info.id * 100 + info.num_workers
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_stage_moved_inline_still_reads_as_worker_0(no_leak, decides, persistent):
+    """torch's workers always have a ``WorkerInfo``: moved into the loop's thread, the stage
+    reads as worker 0 of ``num_workers``, in the pass that moved and in those after it, while
+    the loop's own thread outside the stage still has none."""
+    decides(INLINE)
+    loader = torch_spdl.DataLoader(
+        AsksLate(), batch_size=64, num_workers=2, persistent_workers=persistent
+    )
+    for _ in range(2):
+        pairs = [pair for batch in loader for pair in zip(*batch, strict=True)]
+        indices, workers = zip(*pairs, strict=True)
+        assert [int(i) for i in indices] == list(range(20_000))
+        assert {int(w) for w in workers[15_000:]} == {2}  # worker 0 of 2
+        assert "chose inline" in loader.stats().executor, loader.stats().executor
+        assert torch.utils.data.get_worker_info() is None
+
+
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
 def test_an_error_in_an_inline_batch_names_the_stage_and_index(no_leak, decides, persistent):
     """In the pass that moved inline and in the passes after it (which start inline): the

@@ -78,7 +78,7 @@ from .stats import ConsumerClock, PeriodicReport, StatsProbe
 from .switch import Cut, Deferred, Switch
 from .thread_safety import thread_safe_view
 from .transfer import DeviceTransfer, rank_device, resolve_device
-from .workers import Asked, worker_info, worker_starter
+from .workers import Asked, as_worker, worker_info, worker_starter
 
 if TYPE_CHECKING:
     from .dataloader import DataLoader
@@ -199,7 +199,23 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         position in the pass, as the pipeline's are). Where ``"auto"`` sent the stage there
         (``num_workers > 0``), its errors read as they do on the workers, in every pass."""
         fetch = self._fetcher_here(loader)
-        return fetch if self._num_workers == 0 else deferred_to_loop(fetch)
+        return fetch if self._num_workers == 0 else self._in_the_loop(fetch, loader.dataset)
+
+    def _in_the_loop(
+        self, fetch: Callable[[FetchTask], Any], dataset: Any
+    ) -> Callable[[FetchTask], Any]:
+        """``fetch`` for a stage ``"auto"`` sent to the training loop's thread: as
+        :func:`run_deferred` runs it, with ``get_worker_info()`` answering worker 0's info
+        there, as it would on a worker thread. The trial saw the dataset ask for none (else the
+        stage would not have moved), but a dataset that asks only now and then (a rare record's
+        log line) must not meet None where torch's workers always have one."""
+        info = worker_info(dataset, 0, self._num_workers, int(self._base_seed), "thread")
+
+        def run(task: FetchTask) -> Any:
+            with as_worker(info):
+                return run_deferred(Deferred(fetch, task))
+
+        return run
 
     def _fetcher_here(self, loader: DataLoader) -> Callable[[FetchTask], Any]:
         """:meth:`_inline_fetcher`'s fetch, as ``num_workers=0`` runs it."""
@@ -382,7 +398,8 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         loader = self._loader()  # None in a loop over DataLoader(...): it holds the iterator only
         # a pass moves inline only without hooks; its errors read as they did before the move
         plan = None if loader is None else loader._plan(self)
-        self._stop_threads(plan, deferred_to_loop(self._plain_fetcher()))
+        dataset = self._dataset if loader is None else loader.dataset
+        self._stop_threads(plan, self._in_the_loop(self._plain_fetcher(), dataset))
 
     def _take_over(self) -> Pipeline[Any]:
         """The pipeline the pass moved to, once the first has given its last batch (or the
@@ -1025,11 +1042,6 @@ def run_deferred(deferred: Deferred) -> Any:
         task = deferred.task
         where_ = where("fetch", task.describe()) + " (in the training loop's thread)"
         Failure.capture(where_, task, "fetch").reraise()
-
-
-def deferred_to_loop(fetch: Callable[[FetchTask], Any]) -> Callable[[FetchTask], Any]:
-    """``fetch`` run as :func:`run_deferred` runs a task ``"auto"`` left to the loop."""
-    return lambda task: run_deferred(Deferred(fetch, task))
 
 
 def _a_batch(batch: Any) -> str:
