@@ -429,6 +429,29 @@ def test_a_state_taken_before_a_later_pass_began_resumes_that_pass(kind, num_wor
     assert [run(fresh), run(fresh)] == want[1:]
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_torchdatas_random_sampler_resumes_as_torchs(batch_size, num_workers):
+    """torchdata's RandomSampler keeps its state in its iterator, which its StatefulDataLoader
+    reads; it draws as torch's does, so the loader replays it as torch's: the rest of the
+    epoch, then the next, as uninterrupted (before, a fresh order: samples lost and repeated)."""
+    samplers = pytest.importorskip("torchdata.stateful_dataloader.sampler")
+
+    def make(cls: Any, **extra: Any) -> Any:
+        sampler = samplers.RandomSampler(range(N), generator=torch.Generator().manual_seed(4))
+        return cls(Indices(N), sampler=sampler, batch_size=batch_size, **extra)
+
+    reference = make(tud.DataLoader)
+    want = [run(reference) for _ in range(3)]
+    loader = make(DataLoader, num_workers=num_workers)
+    assert run(loader) == want[0]
+    it, taken, state, _ = take(loader, 2)
+    del it
+    fresh = make(DataLoader, num_workers=num_workers)
+    fresh.load_state_dict(through_pickle(state))
+    assert [taken + run(fresh), run(fresh)] == want[1:]
+
+
 class ResumableSampler(tud.Sampler[int]):
     """A sampler with torchdata's state protocol: a new seeded permutation per pass, and how far
     into it the pass is. ``drawn`` counts what it yields, to see that a resume is not a replay."""

@@ -69,10 +69,30 @@ def length_of(obj: Any) -> int | None:
 
 
 def replayable(sampler: Any) -> bool:
-    """Exact types only: a subclass may take its randomness elsewhere."""
+    """Exact types only: a subclass may take its randomness elsewhere. torchdata's
+    RandomSampler draws as torch's does, from the generator it always has."""
+    if _torchdatas(sampler, "RandomSampler"):
+        return True
     return type(sampler) in _REPLAYABLE and (
         type(sampler) is RandomSampler or sampler.generator is not None
     )
+
+
+def _torchdatas(sampler: Any, name: str) -> bool:
+    """Whether ``sampler`` is torchdata's ``name`` (its ``stateful_dataloader.sampler``). Its
+    state is its iterator's (torchdata's StatefulDataLoader reads it there): the loader replays
+    it as torch's own instead, where it draws as torch's does."""
+    cls = type(sampler)
+    return cls.__name__ == name and cls.__module__ == "torchdata.stateful_dataloader.sampler"
+
+
+def _undo_start(sampler: Any, started: Iterator[Any]) -> None:
+    """torch's setup of a pass made ``started`` of ``sampler`` (``iter(index_sampler)``): a
+    torchdata RandomSampler's iterator draws its first permutation as it is made, so the
+    sampler's generator is set back to where that iterator began (its state's "generator"),
+    for the replay to draw the same again."""
+    if _torchdatas(sampler, "RandomSampler") and is_stateful(started):
+        sampler.generator.set_state(started.state_dict()["generator"])
 
 
 def stateful_sampler(index_sampler: Any) -> Any:
@@ -445,6 +465,7 @@ class PassRecord:
             return iter(BatchSampler(inner, size, drop_last))
         if replayable(index_sampler):
             self._follows = draws_of(index_sampler)
+            _undo_start(index_sampler, created)
             return self._samples(index_sampler, prime)
         return created
 
