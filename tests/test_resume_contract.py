@@ -993,6 +993,14 @@ def test_a_torchdata_checkpoint_restores_each_workers_dataset(method, persistent
         assert epoch(ours) == want[1]
 
 
+def _out_of_turn(state: dict) -> dict:
+    """``state`` (of 2 workers, 1 batch received) as if that batch had come from worker 1:
+    in order it comes from worker 0, so batches came out of order."""
+    assert state["_snapshot"]["_last_yielded_worker_id"] == 0  # as torchdata, in order, has it
+    state["_snapshot"]["_last_yielded_worker_id"] = 1
+    return state
+
+
 def _torchdata_state(dataset: Any, **options: Any) -> dict:
     theirs = StatefulDataLoader(dataset, batch_size=2, **options)
     iterator = iter(theirs)
@@ -1028,8 +1036,26 @@ def _torchdata_state(dataset: Any, **options: Any) -> dict:
             lambda: DataLoader(DATA, batch_size=2, sampler=tud.RandomSampler(DATA)),
             "shuffle does not match",
         ),
+        (
+            lambda: _torchdata_state(DATA, num_workers=2, in_order=False),
+            lambda: DataLoader(DATA, batch_size=2, num_workers=2, in_order=False),
+            r"received out of order \(in_order=False\)",
+        ),
+        (
+            lambda: _out_of_turn(_torchdata_state(DATA, num_workers=2)),
+            lambda: DataLoader(DATA, batch_size=2, num_workers=2),
+            r"its batch 1 came from worker 1, not 0: its batches were received out of order",
+        ),
     ],
-    ids=["iterable", "shuffle", "worker_states_before", "worker_count", "users_sampler"],
+    ids=[
+        "iterable",
+        "shuffle",
+        "worker_states_before",
+        "worker_count",
+        "users_sampler",
+        "out_of_order",
+        "out_of_turn",
+    ],
 )
 def test_a_torchdata_checkpoint_that_does_not_map_is_refused(state_of, ours, match):
     with pytest.raises(ValueError, match=rf"torchdata StatefulDataLoader state.*{match}"):

@@ -13,7 +13,8 @@ restored into the copy of the same worker, in the middle of a pass, and between 
 workers persist (fresh workers copy the loader's dataset anew, as torchdata's do).
 
 What does not map is refused with a ValueError that says what: an IterableDataset's fetcher
-or per-worker states, a sampler with a state of its own, per-worker dataset states recorded
+or per-worker states, batches received out of order (``in_order=False``), a sampler with a
+state of its own, per-worker dataset states recorded
 batches before the state (``snapshot_every_n_steps`` > 1: torchdata reads those batches again
 on its workers), or a loader here that does not shuffle as the checkpoint's did. Nothing is
 checked against the loader that wrote it beyond that (torchdata's state has no configuration):
@@ -49,7 +50,7 @@ def _refuse(what: str) -> ValueError:
     )
 
 
-def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, Any, list[Any] | None]:
+def _parts(loader: Any, state: dict[str, Any]) -> tuple[dict[str, Any], int, Any, list[Any] | None]:
     """The main process's snapshot, the batches received, the loader's dataset state, and each
     worker's copy's (None: no worker holds one)."""
     if _SNAPSHOT not in state:
@@ -62,6 +63,7 @@ def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, Any, list[Any] |
     workers = sorted(
         snapshot.get("_worker_snapshots", {}).values(), key=lambda worker: worker["worker_id"]
     )
+    _check_in_order(loader, snapshot, len(workers))
     if any(worker.get("fetcher_state") is not None for worker in workers):
         raise _refuse("it holds an IterableDataset's per-worker fetcher states")
     copies = [worker.get("dataset_state") for worker in workers]
@@ -73,6 +75,26 @@ def _parts(state: dict[str, Any]) -> tuple[dict[str, Any], int, Any, list[Any] |
             "(snapshot_every_n_steps > 1); save it with snapshot_every_n_steps=1"
         )
     return snapshot["_main_snapshot"], received, None, copies
+
+
+def _check_in_order(loader: Any, snapshot: dict[str, Any], workers: int) -> None:
+    """Refuse a state of batches received out of order (``in_order=False`` with workers, for
+    which torchdata promises nothing): it records how many were received, not which. Such a
+    state is taken for one where this loader, built as the saving one was, has
+    ``in_order=False`` and workers, or where the state shows it: in order, torchdata's workers
+    yield batches in turn, so the ``n``-th comes from worker ``(n - 1) % workers``."""
+    if not workers:
+        return
+    last = snapshot.get("_last_yielded_worker_id")
+    step = int(snapshot["_snapshot_step"])
+    turn = (step - 1) % workers
+    if loader.in_order and (last is None or int(last) == turn):
+        return
+    shown = f"its batch {step} came from worker {last}, not {turn}: " if loader.in_order else ""
+    raise _refuse(
+        f"{shown}its batches were received out of order (in_order=False), of which it records "
+        "how many, not which"
+    )
 
 
 def _sampler_rng(loader: Any, main: dict[str, Any]) -> tuple[str, bytes] | None:
@@ -103,7 +125,7 @@ def from_torchdata(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (torchdata's) as a state of ``loader`` (see the module docstring)."""
     if is_iterable(loader.dataset):
         raise _refuse("this loader's dataset is an IterableDataset")
-    main, received, dataset_state, copies = _parts(state)
+    main, received, dataset_state, copies = _parts(loader, state)
     if copies is not None and len(copies) != loader.num_workers:
         raise _refuse(
             f"it holds the dataset states of {len(copies)} workers' copies, and this loader "
