@@ -351,6 +351,12 @@ class _Rounds:
         self._ended = True
         return taken[shard.rank % len(taken)]
 
+    def ran_out(self) -> bool:
+        """Whether this rank's part has no item left: the stream ended inside the last round,
+        so the item just given was the last (its stream's state, recorded now, stands after
+        its end; :class:`~torch_spdl.stream_state.Watched` reads this)."""
+        return self._ended and not self._round
+
 
 class _StatefulRounds(_Rounds):
     """The iterator of a :class:`RankShard` over a stream whose iterator has state of its own:

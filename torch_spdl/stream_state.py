@@ -78,21 +78,27 @@ def recorded_stream(
 
 
 class Watched:
-    """A stream's iterator that says whether it has run out, as its state is recorded."""
+    """A stream's iterator that says whether it has run out, as its state is recorded. A rank's
+    part of a stream (:class:`~torch_spdl.sampling.RankShard`) can run out with its last item,
+    before it raises StopIteration: its ``ran_out()`` says so."""
 
     def __init__(self, iterator: Iterator[Any], items_ended: bool) -> None:
         self.iterator = iterator
         self.ended = items_ended
+        self._ran_out: Callable[[], bool] | None = getattr(iterator, "ran_out", None)
 
     def __iter__(self) -> Watched:
         return self
 
     def __next__(self) -> Any:
         try:
-            return next(self.iterator)
+            item = next(self.iterator)
         except StopIteration:
             self.ended = True
             raise
+        if self._ran_out is not None and self._ran_out():
+            self.ended = True
+        return item
 
 
 @dataclass
