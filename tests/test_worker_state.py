@@ -224,10 +224,12 @@ def test_a_worker_init_fn_runs_in_turn_with_the_reads():
             reader.join(0.2)
             assert reader.is_alive()  # it waits for its turn
 
-    found.guard_start(init)(0)
+    # a handle per worker on one dataset: the next worker's will replace it, which is said
+    with pytest.warns(UserWarning, match=r"worker_init_fn sets Opening\.handle on the dataset"):
+        found.guard_start(init, 2)(0)
     guarded(0)  # the first read finds the handle set: reads take turns
     assert found.keeps_state
-    found.guard_start(init)(1)
+    found.guard_start(init, 2)(1)
     reader.join()
     assert dataset.reads == 2
 
@@ -241,7 +243,9 @@ def test_what_a_worker_init_fn_sets_after_the_first_read_is_state_too():
     def init(worker_id: int) -> None:
         dataset.handle = object()
 
-    found.guard_start(init)(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one worker thread: nothing it sets is replaced
+        found.guard_start(init, 1)(0)
     assert found.describe() == "Counting sets handle on itself as it reads"
     assert found.pristine().handle is original is None
     assert dataset.handle is not None
@@ -322,7 +326,9 @@ def test_state_a_worker_init_fn_opens_is_found_too(records, moves, no_child_left
         dataset, batch_size=16, num_workers=2, worker_init_fn=open_in_worker
     )
     expected = torchs(Records(records, 512), num_workers=2, worker_init_fn=open_in_worker)
-    assert samples_of(loader) == expected
+    # each worker thread's handle replaced the last one's: said, as the move to processes heals it
+    with pytest.warns(UserWarning, match=r"worker_init_fn sets Records\.file on the dataset"):
+        assert samples_of(loader) == expected
     assert loader._auto.decision.executor == PROCESS
 
 

@@ -429,7 +429,9 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             # worker threads read one object: what it sets on itself, they share (worker_state)
             watch = loader._state_watch()
             fetch = watch.guard(read, serial=loader._options.worker_method == AUTO)
-            start = watch.guard_start(start)
+            # where a worker_init_fn may set state on it, one per thread: said (worker_state)
+            inits = self._num_workers if loader.worker_init_fn is not None else 1
+            start = watch.guard_start(start, inits)
         fn = fetch if pool is None else pool.stage("fetch")
         return self._cpu_stage(loader, fn, start, "fetch", tasks_per_batch=1)
 

@@ -190,6 +190,18 @@ def _datasets(dataset: Any) -> dict[int, tuple[_Noted, dict[str, _Noted]]]:
     return found
 
 
+def _set_since(noted: dict[int, tuple[_Noted, dict[str, _Noted]]]) -> list[str]:
+    """The attributes set since ``noted`` (:func:`_datasets`) on those datasets, as
+    ``Type.name``, less those now plain values."""
+    names = []
+    for dataset, before in noted.values():
+        obj = dataset.value()
+        now = None if obj is _DEAD else _attributes(obj)
+        if now is not None:
+            names += [f"{type(obj).__name__}.{name}" for name in _changed(before, now)]
+    return names
+
+
 def _changed(before: dict[str, _Noted], now: dict[str, Any]) -> tuple[str, ...]:
     """The attributes rebound, added or removed since ``before``, less those now plain values."""
     gone = _Noted(_GONE)
@@ -221,6 +233,7 @@ class StateWatch:
         self._framed = _framed(self._before)  # a Pillow image with frames held, by name
         self._reseeds = False  # the first read seeded torch's global generator
         self._warned = False
+        self._warned_init = False  # a worker_init_fn's values replaced by the next's
 
     @property
     def keeps_state(self) -> bool:
@@ -262,23 +275,45 @@ class StateWatch:
 
         return guarded
 
-    def guard_start(self, start: Callable[[int], None]) -> Callable[[int], None]:
+    def guard_start(self, start: Callable[[int], None], threads: int) -> Callable[[int], None]:
         """A worker thread's ``on_start`` (its ``worker_init_fn``), run in turn with the reads
         that run in turns: what one thread's ``worker_init_fn`` sets on the shared dataset
         (torch's docs open a handle on ``get_worker_info().dataset``) is not rebound under
         another thread's read. What one that runs after the first read sets on the dataset is
-        state as what that read set is (a seed it sets once is not: its thread reads after it)."""
+        state as what that read set is (a seed it sets once is not: its thread reads after it).
+        Where ``threads`` share the dataset (1: none, or no ``worker_init_fn`` to look at), each
+        one's ``worker_init_fn`` replaces what the last one set, so every thread reads the last
+        worker's value (a worker id, a handle opened once per worker): that is said once, as the
+        first sets it, also where the reads take turns."""
 
         def guarded(worker_id: int) -> None:
             with self._turn:
-                if not self._settled:  # the first read compares against the notes made before
+                if not self._settled and threads <= 1:  # the first read compares for it
                     start(worker_id)
                     return
                 before = _datasets(self._dataset.value())
                 start(worker_id)
-                self._note_changes(before)
+                if self._settled:  # else the first read compares against the notes made before
+                    self._note_changes(before)
+                if threads > 1:
+                    self._warn_replaced(_set_since(before))
 
         return guarded
+
+    def _warn_replaced(self, names: list[str]) -> None:
+        if not names or self._warned_init:
+            return
+        self._warned_init = True
+        warnings.warn(
+            f"worker_init_fn sets {', '.join(names)} on the dataset, which the worker threads "
+            "share: each thread's call replaces what the last one set, so every thread reads "
+            "the last worker's value, where each of torch's worker processes reads its own. "
+            "worker_method='auto' moves such a dataset to worker processes once they are up; "
+            "the batches read on threads before that see the one value. Key such values by "
+            "get_worker_info().id where they are read, keep them in a threading.local(), or "
+            "pass worker_method='process'.",
+            stacklevel=3,
+        )
 
     def no_copies(self) -> str | None:
         """Why worker processes cannot be given copies of the dataset that read as it does, or
