@@ -86,7 +86,7 @@ def _torchdatas(sampler: Any, name: str) -> bool:
     return cls.__name__ == name and cls.__module__ == "torchdata.stateful_dataloader.sampler"
 
 
-def _undo_start(sampler: Any, started: Iterator[Any]) -> None:
+def _undo_start(sampler: Any, started: Any) -> None:
     """torch's setup of a pass made ``started`` of ``sampler`` (``iter(index_sampler)``): a
     torchdata RandomSampler's iterator draws its first permutation as it is made, so the
     sampler's generator is set back to where that iterator began (its state's "generator"),
