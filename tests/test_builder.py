@@ -164,6 +164,34 @@ def test_an_async_generator_op():
     assert list(pipeline) == [v for x in range(6) for v in (x, x + 0.5)]
 
 
+def frames(x):
+    """Three items per item; item 1's generator raises after its second."""
+    yield f"{x}a"
+    yield f"{x}b"
+    if x == 1:
+        raise ValueError("broken after two")
+    yield f"{x}c"
+
+
+async def async_frames(x):
+    for value in frames(x):
+        await asyncio.sleep(0)
+        yield value
+
+
+@pytest.mark.parametrize(
+    "op, executor", [(frames, None), (async_frames, None), (frames, "process")]
+)
+def test_a_generator_op_that_raises_passes_on_what_it_gave_first(op, executor):
+    """As SPDL passes on each item as it is yielded: item 1's first two, then its error, named
+    in the op's stage for item 1 (not lost with the error)."""
+    extra = {} if executor is None else {"executor": executor}
+    results = take_all(build(range(3), pipe(op, concurrency=2, **extra)))
+    assert results[:5] == ["0a", "0b", "0c", "1a", "1b"] and results[6:] == ["2a", "2b", "2c"]
+    assert f"ValueError in stage '{op.__name__}' for item 1" in results[5][1]
+    assert "broken after two" in results[5][1]
+
+
 def test_a_container_op_is_looked_up_as_spdl_does():
     """SPDL's op may be a container (a dict, a list, a map-style dataset): ``op[item]``."""
     names = {0: "zero", 1: "one"}

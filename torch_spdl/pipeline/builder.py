@@ -58,10 +58,10 @@ import torch
 from ..priority import DEFAULT_WORKER_NICE, check_worker_nice
 from .channel import Gate, check_count
 from .pipeline import Pipeline, Step
-from .regroup import Regroup, aggregate, disaggregate
+from .regroup import GaveThenRaised, Regroup, aggregate, disaggregate
 from .sources import SharedSource, WorkerSource
 from .stages import Stage, Stream, is_async_callable
-from .stats import describe_item
+from .stats import describe_item, named
 
 ORDERS = ("input", "completion")
 EXECUTORS = ("thread", "process", "async")
@@ -300,8 +300,8 @@ class PipelineBuilder:
 def _stage(pipe: Pipe, pools: list[Any], worker_nice: int) -> Stage:
     """The engine stage that runs ``pipe`` on its executor (starting its processes, if any, at
     ``worker_nice`` below this process's priority)."""
-    fn, on_start = _collected(pipe.op), pipe.on_start
     describe = pipe.describe or describe_item
+    fn, on_start = _collected(pipe.op, describe), pipe.on_start
     if pipe.executor == "process":
         from ..jobs import OpJob
         from ..processes import ProcessPool  # the engine itself needs no processes
@@ -326,21 +326,42 @@ def _call_of(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return call if inspect.isfunction(call) else op
 
 
-def _collected(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A generator op as one that returns its items in a list (a disaggregate follows it)."""
+def _collected(op: Callable[[Any], Any], describe: Callable[[Any], str]) -> Callable[[Any], Any]:
+    """A generator op as one that returns its items in a list (a disaggregate follows it). One
+    that raises after it gave items returns them with its error (:class:`GaveThenRaised`, named
+    by ``describe``): the disaggregate passes them on, then fails the item. One that raises
+    before it gave any fails in its own stage, as any op."""
     if inspect.isasyncgenfunction(_call_of(op)):
-        return functools.partial(_collect_async, op)
+        return functools.partial(_collect_async, op, describe)
     if inspect.isgeneratorfunction(_call_of(op)):
-        return functools.partial(_collect, op)
+        return functools.partial(_collect, op, describe)
     return op
 
 
-def _collect(op: Callable[[Any], Iterable[Any]], item: Any) -> list[Any]:
-    return list(op(item))
+def _collect(op: Callable[[Any], Iterable[Any]], describe: Callable[[Any], str], item: Any) -> Any:
+    items: list[Any] = []
+    try:
+        for value in op(item):
+            items.append(value)
+    except Exception as error:
+        if not items:
+            raise
+        return GaveThenRaised(items, error, named(describe, item))
+    return items
 
 
-async def _collect_async(op: Callable[[Any], AsyncIterable[Any]], item: Any) -> list[Any]:
-    return [value async for value in op(item)]
+async def _collect_async(
+    op: Callable[[Any], AsyncIterable[Any]], describe: Callable[[Any], str], item: Any
+) -> Any:
+    items: list[Any] = []
+    try:
+        async for value in op(item):
+            items.append(value)
+    except Exception as error:
+        if not items:
+            raise
+        return GaveThenRaised(items, error, named(describe, item))
+    return items
 
 
 def _submit(executor: concurrent.futures.Executor, op: Callable[[Any], Any], item: Any) -> Any:

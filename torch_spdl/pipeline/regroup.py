@@ -49,6 +49,22 @@ def aggregate(num_items: int, drop_last: bool = False) -> Values:
     return groups
 
 
+@dataclass
+class GaveThenRaised:
+    """What a generator op gave for one item before it raised (``items``), its error, and the
+    item as its stage names it: the disaggregate after the op passes the items on, then fails
+    the item there, as SPDL passes each item on as it is yielded. Picklable, as a worker
+    process's result must be."""
+
+    items: list[Any]
+    error: BaseException
+    item: str
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.items
+        raise self.error
+
+
 def disaggregate(name: str) -> Values:
     """Each value's elements, one by one; a value that is not iterable, or whose iteration
     raises (a generator an op returned), fails alone, named, after the elements it gave."""
@@ -84,4 +100,5 @@ def _parts(name: str, value: Any) -> Iterator[Any]:
 
 def _failed(name: str, value: Any) -> Failure:
     """The exception being handled, as ``value``'s Failure in stage ``name``."""
-    return Failure.capture(f"in stage {name!r} for {describe_item(value)}", value, name)
+    item = value.item if isinstance(value, GaveThenRaised) else describe_item(value)
+    return Failure.capture(f"in stage {name!r} for {item}", value, name)
