@@ -187,6 +187,32 @@ def test_draft_without_a_reduction_is_the_plain_decode():
     assert torch.equal(decode_image(png, size=10, draft=True), decode_image(png, size=10))
 
 
+def test_an_image_over_pillows_pixel_limit(monkeypatch):
+    """Pillow refuses an image of over twice ``Image.MAX_IMAGE_PIXELS`` as a decompression
+    bomb: the draft decode then decodes it whole, as without draft (the same pixels), and a
+    format only Pillow decodes refuses it with the documented ValueError, naming the limit."""
+    data = jpeg(750, 1000)
+    want = decode_image(data, size=224)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 750 * 1000 // 3)
+    assert torch.equal(decode_image(data, size=224, draft=True), want)
+    with pytest.raises(ValueError, match=r"cannot decode image .*exceeds limit"):
+        decode_image(encode(Image.fromarray(photo(750, 1000)), "PNG"))
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA"])
+def test_a_palette_png_with_alpha_per_entry_decodes_without_pillows_warning(mode):
+    """Pillow warns where such an image is converted from its palette to another mode and
+    should be made RGBA first: it is, silently, with the pixels of Pillow's own conversion."""
+    picture = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8)).convert("P")
+    data = encode(picture, "PNG", transparency=bytes(range(0, 256, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = decode_image(data, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pillow's warning, in its own conversion
+        assert torch.equal(got, pillow_reference(data, mode))
+
+
 def test_writable_buffers_are_not_copied():
     data = bytearray(jpeg(8, 8))
     tensor = byte_tensor(data)

@@ -248,13 +248,24 @@ def _undecodable(encoded: torch.Tensor, error: Exception) -> ValueError:
 
 
 def _decode_with_pillow(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
+    """Pillow's decode. An image over Pillow's pixel limit (``Image.MAX_IMAGE_PIXELS``: a
+    decompression bomb, Pillow says, as a torchvision ``ImageFolder``'s loader does) is
+    refused as any bytes that do not decode are."""
     try:
         with Image.open(io.BytesIO(encoded.numpy().data)) as image:
             if image.mode in _SIXTEEN_BIT_GREY:
                 return _sixteen_bit_grey(image, mode)
-            return pil_to_tensor(image.convert(mode))
-    except (OSError, SyntaxError) as err:  # not an image, or cut short (Pillow's own errors)
+            return pil_to_tensor(_without_palette_alpha(image).convert(mode))
+    except (OSError, SyntaxError, Image.DecompressionBombError) as err:  # Pillow's own errors
         raise _undecodable(encoded, err) from err
+
+
+def _without_palette_alpha(image: Image.Image) -> Image.Image:
+    """A palette image whose transparency is a byte per entry, as RGBA: converted from the
+    palette to another mode, Pillow warns that it should be (the pixels are the same)."""
+    if image.mode == "P" and isinstance(image.info.get("transparency"), bytes):
+        return image.convert("RGBA")
+    return image
 
 
 _SIXTEEN_BIT_GREY = ("I;16", "I;16B", "I")  # Pillow's modes for a 16-bit grey PNG
@@ -291,6 +302,8 @@ def _decode_jpeg_draft(
             image.draft("L" if mode in ("L", "LA") else "RGB", (target[1], target[0]))
             pixels = image if image.mode == mode else image.convert(mode)
             return pil_to_tensor(pixels), target
+    except Image.DecompressionBombError:  # over Pillow's limit: decoded whole, as without draft
+        return None
     except (OSError, SyntaxError) as err:  # cut short or damaged past its header
         raise _undecodable(encoded, err) from err
 
