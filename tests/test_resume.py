@@ -395,6 +395,21 @@ def test_torch_samplers_resume_exactly(num_workers, seeded):
         assert run(fresh) == want[1], name
 
 
+def second_epoch_resumed(make: Any, num_workers: int, cut: int) -> tuple[list, list]:
+    """torch's loader's first three epochs (``make(tud.DataLoader)``); and ours: its first
+    epoch (checked against torch's), ``cut`` batches of the second and a state, then from a
+    fresh loader given the state, the rest of that epoch (after the ``cut``) and the next."""
+    reference = make(tud.DataLoader)
+    want = [run(reference) for _ in range(3)]
+    loader = make(DataLoader, num_workers=num_workers)
+    assert run(loader) == want[0]
+    it, taken, state, _ = take(loader, cut)
+    del it
+    fresh = make(DataLoader, num_workers=num_workers)
+    fresh.load_state_dict(through_pickle(state))
+    return want, [taken + run(fresh), run(fresh)]
+
+
 SAMPLERS_WITH_A_GENERATOR = {
     "RandomSampler": lambda g: dict(sampler=tud.RandomSampler(range(N), generator=g)),
     "its BatchSampler": lambda g: dict(
@@ -418,15 +433,8 @@ def test_a_state_taken_before_a_later_pass_began_resumes_that_pass(kind, num_wor
         batching = {} if "batch_sampler" in sampling else {"batch_size": 5}
         return cls(Indices(N), **sampling, **batching, **extra)
 
-    reference = make(tud.DataLoader)
-    want = [run(reference) for _ in range(3)]
-    loader = make(DataLoader, num_workers=num_workers)
-    assert run(loader) == want[0]
-    it, taken, state, _ = take(loader, 0)
-    del it
-    fresh = make(DataLoader, num_workers=num_workers)
-    fresh.load_state_dict(through_pickle(state))
-    assert [run(fresh), run(fresh)] == want[1:]
+    want, got = second_epoch_resumed(make, num_workers, cut=0)
+    assert got == want[1:]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -441,15 +449,8 @@ def test_torchdatas_random_sampler_resumes_as_torchs(batch_size, num_workers):
         sampler = samplers.RandomSampler(range(N), generator=torch.Generator().manual_seed(4))
         return cls(Indices(N), sampler=sampler, batch_size=batch_size, **extra)
 
-    reference = make(tud.DataLoader)
-    want = [run(reference) for _ in range(3)]
-    loader = make(DataLoader, num_workers=num_workers)
-    assert run(loader) == want[0]
-    it, taken, state, _ = take(loader, 2)
-    del it
-    fresh = make(DataLoader, num_workers=num_workers)
-    fresh.load_state_dict(through_pickle(state))
-    assert [taken + run(fresh), run(fresh)] == want[1:]
+    want, got = second_epoch_resumed(make, num_workers, cut=2)
+    assert got == want[1:]
 
 
 class ResumableSampler(tud.Sampler[int]):
