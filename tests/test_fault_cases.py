@@ -324,6 +324,53 @@ def test_a_sampler_error_comes_after_the_good_batches(kwargs):
         assert "no index 9" in str(errors[0])
 
 
+class SecondWaitsForTheLoop(StagedDataset):
+    """Batch 1 (samples 2 and 3) waits until the training loop has had two batches: the
+    sampler's error (at index 6, drawn ahead) is then ready before it is. Staged, so that no
+    first read runs alone (a plain dataset's, to see what it sets on itself)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __len__(self) -> int:
+        return 20
+
+    def load(self, index: int) -> int:
+        if index == 2:
+            self.release.wait(timeout=TIMEOUT)
+        return index
+
+    def preprocess(self, raw: int) -> int:
+        return raw
+
+
+def test_a_sampler_error_comes_after_the_good_batches_in_completion_order_too():
+    """Batches in completion order, the sampler's error still last: a loop that stops at the
+    error has had every batch sampled before it."""
+    dataset = SecondWaitsForTheLoop()
+    loader = DataLoader(
+        dataset,
+        sampler=RaisesAtIndex(at=6),
+        batch_size=2,
+        num_workers=3,
+        in_order=False,
+        worker_method="thread",
+        timeout=TIMEOUT,
+    )
+    out: list = []
+    iterator = iter(loader)
+    while True:
+        try:
+            out.append(next(iterator).tolist())
+        except StopIteration:
+            break
+        except IndexError as error:
+            out.append(str(error))
+        if len(out) == 2:
+            dataset.release.set()
+    assert sorted(out[:-1]) == [[0, 1], [2, 3], [4, 5]] and "no index 6" in out[-1], out
+
+
 def test_torchs_inline_loader_gives_the_same_batches_before_a_sampler_error():
     loader = torch.utils.data.DataLoader(range(20), sampler=RaisesAtIndex(), batch_size=2)
     out, _ = run_to_the_end(loader, catch=(IndexError,))

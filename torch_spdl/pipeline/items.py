@@ -76,6 +76,12 @@ class Failure:
 
 
 @dataclass(frozen=True, slots=True)
+class SourceFailure(Failure):
+    """The source's own error (a sampler that raised): the last item of its epoch, after the
+    items the source gave before it, which reach the consumer first in either order."""
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """A producer's last word for one epoch: it made ``count`` items and will make no seq
     ``s >= next_seq`` with ``s ≡ next_seq (mod stride)``; ``stride`` is 1 for a shared source."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .channel import Channel
-from .items import End
+from .items import End, SourceFailure
 
 
 class EpochEnd(Exception):
@@ -45,11 +45,17 @@ class Sink:
         self._buffer: dict[int, Any] = {}
         self._ends: list[End] = []
         self._delivered = 0
+        self._held: tuple[int, SourceFailure] | None = None  # in completion order: see next()
 
     def _complete(self) -> bool:
         return len(self._ends) == self._producers and self._delivered == sum(
             end.count for end in self._ends
         )
+
+    def _only_held_left(self) -> bool:
+        """Every producer has ended and delivered all but the held source error."""
+        total = sum(end.count for end in self._ends)
+        return len(self._ends) == self._producers and self._delivered + 1 == total
 
     def _retired(self, seq: int) -> bool:
         return any(end.retires(seq) for end in self._ends)
@@ -82,6 +88,10 @@ class Sink:
             found, value = self._ready()
             if found:
                 return value
+            if self._held is not None and self._only_held_left():
+                seq, failure = self._held
+                self._held = None
+                return self._deliver(seq, failure)
             if self._complete():
                 raise EpochEnd
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -93,6 +103,10 @@ class Sink:
                 self._release(seq)  # left over from an abandoned epoch
             elif self._in_order:
                 self._buffer[seq] = value
+            elif isinstance(value, SourceFailure):
+                # the source's error is the epoch's last item: in completion order too it
+                # comes after the items sampled before it, which are still on their way
+                self._held = (seq, value)
             else:
                 return self._deliver(seq, value)
 

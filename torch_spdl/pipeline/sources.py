@@ -9,7 +9,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from typing import Any
 
 from .channel import Closed, Doorbell, Stopped, StopSignal, check_count
-from .items import End, Failure
+from .items import End, Failure, SourceFailure
 
 
 class SharedSource:
@@ -286,7 +286,7 @@ def _advance(iterator: Iterator[Any]) -> tuple[str, Any]:
     except (Stopped, Closed):  # the pipeline is stopping (an upstream part of it, read here)
         raise
     except BaseException:
-        return _FAILED, Failure.capture("in the source (sampler) of the pipeline")
+        return _FAILED, SourceFailure.capture("in the source (sampler) of the pipeline")
 
 
 def iterate(iterable: Iterable[Any] | AsyncIterable[Any], stop: StopSignal) -> Iterator[Any]:
