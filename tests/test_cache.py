@@ -190,6 +190,31 @@ def test_preload_error_keeps_its_type_and_names_the_index():
         iter(loader)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_preload_leaves_a_failing_load_to_the_failure_budget(num_workers):
+    """With ``max_failures`` a load that raises in the preload is not cached: every pass loads
+    it again, and the budget skips it as without preload, rather than every ``iter()`` raise."""
+
+    class Broken(Counted):
+        def load(self, index):
+            if index == 5:
+                raise FileNotFoundError("gone")
+            return super().load(index)
+
+    def passes(**extra):
+        loader = DataLoader(
+            Broken(), batch_size=4, num_workers=num_workers, max_failures=3, **extra
+        )
+        return [
+            ([batch.tolist() for batch in loader], [f.index for f in loader.stats().skipped])
+            for _ in range(2)
+        ]
+
+    want = passes(cache_bytes=10_000)
+    assert want[0][1] == [5] and want[0] == want[1]
+    assert passes(preload=True) == want
+
+
 @pytest.mark.parametrize("kwargs", [{"cache_bytes": 1000}, {"preload": True}])
 def test_caching_needs_a_load_hook(kwargs):
     with pytest.raises(ValueError, match="load hook"):

@@ -342,7 +342,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Load every index once, on the I/O pool, into the cache (``preload=True``).
 
         Same threads as the load stage's: the thread-safe view of the dataset, and a WorkerInfo
-        per thread (seeded from 0: preloading must not draw from ``generator``).
+        per thread (seeded from 0: preloading must not draw from ``generator``). With
+        ``max_failures`` an index whose load raises is left out of the cache: each pass loads it
+        again, and its failure budget skips it as it skips any sample (without, the error is
+        raised here, at the first ``iter()``).
         """
         hooks, cache = self._hooks, self._cache
         assert hooks is not None and cache is not None  # preload needs both (_check_options)
@@ -358,9 +361,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             describe=lambda i: f"dataset index {i}",
             on_start=start,
         )
-        raw: Any
+        skips = self._options.max_failures != 0
         with builder.add_sink().build(name="torch_spdl.preload") as loaded:
-            for index, raw in zip(indices, loaded, strict=True):
+            for index in indices:  # in input order: each pipeline item is its index's
+                try:
+                    raw = next(loaded)
+                except Exception:
+                    if skips:
+                        continue
+                    raise
                 cache.put(index, raw)
         self._preloaded = True
 
