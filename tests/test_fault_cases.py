@@ -261,6 +261,56 @@ def test_a_killed_worker_fails_one_batch_and_a_new_one_takes_over(tmp_path):
     assert [i for batch in ours for i in batch.tolist()] == list(range(40))
 
 
+class KillsItsWorkerAtStart:
+    """A ``worker_init_fn`` that kills its worker process while it starts, once (the OOM killer,
+    say): the file ``marker`` records that it did."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __call__(self, worker_id: int) -> None:
+        if worker_id == 1 and first_time(self.marker):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_while_it_starts_is_replaced_and_fails_nothing(tmp_path):
+    """It had no task yet: its replacement takes its first, as for one that dies between tasks."""
+    loader = DataLoader(
+        KillsItsWorkerAt(-1, tmp_path / "unused", n=10),
+        batch_size=2,
+        num_workers=2,
+        worker_method="process",
+        worker_init_fn=KillsItsWorkerAtStart(tmp_path / "killed"),
+        timeout=TIMEOUT,
+    )
+    with pytest.warns(RuntimeWarning, match=r"exit code -9 .* while it started, before any task"):
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert not first_time(tmp_path / "killed")  # it did die
+
+
+def kills_its_worker(worker_id: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_workers_that_die_whenever_they_start_raise_that_they_cannot_be_replaced(tmp_path):
+    loader = DataLoader(
+        KillsItsWorkerAt(-1, tmp_path / "unused", n=10),
+        batch_size=2,
+        num_workers=2,
+        worker_method="process",
+        worker_init_fn=kills_its_worker,
+        timeout=TIMEOUT,
+    )
+    with (
+        pytest.warns(RuntimeWarning, match=r"while it started, before any task"),
+        pytest.raises(RuntimeError, match=r"died and could not be replaced") as info,
+    ):
+        next(iter(loader))
+    message = str(info.value)
+    assert re.search(r"could not be replaced: .* \(pid \d+\) .*SIGKILL\), as it started", message)
+    assert "(worker process " in message and "takes over" not in message
+
+
 def test_a_native_crash_in_a_worker_process_names_the_signal_and_the_indices():
     loader = DataLoader(
         SegfaultsAt(5), batch_size=2, num_workers=2, worker_method="process", timeout=TIMEOUT

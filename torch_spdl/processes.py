@@ -340,15 +340,19 @@ class _Worker:
         """The error for its death; it is replaced before its next task (:meth:`ProcessPool
         ._current`)."""
         self.dead = True
+        return WorkerDied(f"{self.ended()}; {self.then}")
+
+    def ended(self) -> str:
+        """How it ended: its pid, and its exit code or signal."""
         code = exit_code(self.process, SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
         if code is None:
-            return WorkerDied(f"{text}: it closed its pipe and is still running; {self.then}")
+            return f"{text}: it closed its pipe and is still running"
         text += f" with exit code {code}"
         if code < 0:
             with contextlib.suppress(ValueError):  # not a signal this platform names
                 text += f" (killed by signal {signal.Signals(-code).name})"
-        return WorkerDied(f"{text}; {self.then}")
+        return text
 
 
 def _start_process(
@@ -573,14 +577,26 @@ class ProcessPool:
         self._local.worker = worker
         self._local.sent = deque()  # requests sent ahead (:meth:`_post`), oldest first
         self._threads[threading.get_ident()] = worker_id
-        self._await_ready(worker)
+        self._await_start(worker)
 
     def wait_ready(self) -> None:
         """Wait until every worker process is set up, as :meth:`start` does for one. ``"auto"``
         waits here, in a thread of its own, before its stage threads use the processes: a pool
         whose workers die at start (a class they cannot unpickle, say) then costs no sample."""
         for worker in self._processes.workers:
+            self._await_ready(worker)  # a death is raised: "auto" stays on its threads
+
+    def _await_start(self, worker: _Worker) -> None:
+        """:meth:`_await_ready`, where a process that died before it was set up (killed, or a
+        crash in native code) ran no task: like one that dies between tasks, it is replaced
+        before its first (:meth:`_current`), and a warning says so. Its replacement dying too
+        breaks the pool, with that death as the reason."""
+        try:
             self._await_ready(worker)
+        except WorkerDied as died:
+            warnings.warn(
+                f"{died}; it died while it started, before any task", RuntimeWarning, stacklevel=2
+            )
 
     def _await_ready(self, worker: _Worker) -> None:
         """Receive ``worker``'s word that it is set up, once; raise what it sent if it failed."""
@@ -632,10 +648,11 @@ class ProcessPool:
         if not worker.dead:
             return worker
         self._check_open()
+        cannot = f"DataLoader worker process {worker.id} died and could not be replaced"
+        if isinstance(self._processes.broken, WorkerDied):
+            raise WorkerDied(str(self._processes.broken))
         if self._processes.broken is not None:
-            raise RuntimeError(
-                f"DataLoader worker process {worker.id} died and could not be replaced"
-            ) from self._processes.broken
+            raise RuntimeError(cannot) from self._processes.broken
         try:
             new = self._spawn(worker.id)
             if not self._processes.replace(worker, new):  # closing: close() ends the dead one
@@ -645,6 +662,9 @@ class ProcessPool:
             worker.close()  # out of the pool now: reap it
             _terminate(worker.process)
             self._await_ready(new)
+        except WorkerDied:  # none takes its next tasks, then
+            self._processes.broken = WorkerDied(f"{cannot}: {new.ended()}, as it started")
+            raise WorkerDied(str(self._processes.broken)) from None
         except BaseException as error:
             self._processes.broken = error
             raise
