@@ -40,3 +40,25 @@ def test_train_is_random_but_seeded_by_torchs_rng(image):
     torch.manual_seed(3)
     assert torch.equal(preset(image), first)
     assert not torch.equal(preset(image), first)
+
+
+@pytest.mark.parametrize("mode", ["1", "P", "CMYK", "I", "I;16", "F", "YCbCr"])
+def test_images_in_other_modes_come_out_as_their_rgb_conversion(image, mode):
+    """As ImageFolder's loader converts them: not a bool tensor, palette indices or four channels,
+    and no failure in ColorJitter."""
+    odd = image.convert(mode) if mode not in ("I;16", "F") else image.convert("L").convert(mode)
+    rgb = odd.convert("RGB")
+    classic = transforms.Compose(
+        [transforms.Resize(256), transforms.CenterCrop(224), transforms.PILToTensor()]
+    )
+    assert torch.equal(imagenet_eval()(odd), classic(rgb))
+    torch.manual_seed(5)
+    expected = imagenet_train()(rgb)
+    torch.manual_seed(5)
+    assert torch.equal(imagenet_train()(odd), expected)
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "RGBA"])
+def test_images_with_8_bit_channels_keep_their_channels(image, mode):
+    out = imagenet_eval()(image.convert(mode))
+    assert out.dtype == torch.uint8 and out.shape == (len(mode), 224, 224)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
+from PIL import Image
 from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -75,6 +76,21 @@ def imagenet_normalize(key: int | str | None = 0) -> Normalize:
     return Normalize(IMAGENET_MEAN, IMAGENET_STD, key=key)
 
 
+_UINT8_MODES = frozenset({"L", "LA", "RGB", "RGBA"})
+
+
+def _uint8_channels(image: Image.Image) -> Image.Image:
+    """``image`` as is where its mode has 8 bits per channel of plain values, else converted to
+    RGB, as ImageFolder's loader converts every image: as they are, 1-bit, palette, CMYK, 16-bit
+    and float images would become a bool tensor, palette indices, four channels or values
+    scaled as though they were uint8, or fail in ColorJitter."""
+    return image if image.mode in _UINT8_MODES else image.convert("RGB")
+
+
+def _from_any_pil_mode() -> list[v2.Transform]:
+    return [v2.Lambda(_uint8_channels, Image.Image)]
+
+
 def _to_uint8_tensor() -> list[v2.Transform]:
     """PIL image or tensor in, plain uint8 ``C×H×W`` tensor out (what default_collate stacks)."""
     return [v2.ToImage(), v2.ToDtype(torch.uint8, scale=True), v2.ToPureTensor()]
@@ -83,7 +99,7 @@ def _to_uint8_tensor() -> list[v2.Transform]:
 def imagenet_train(size: int = 224, *, jitter: float | None = 0.4) -> v2.Compose:
     """RandomResizedCrop, horizontal flip and ColorJitter; uint8 out, normalisation left for the
     device. Works on PIL images and on uint8 tensors (e.g. from :mod:`torch_spdl.io`)."""
-    ops: list[v2.Transform] = [
+    ops: list[v2.Transform] = _from_any_pil_mode() + [
         v2.RandomResizedCrop(size, antialias=True),
         v2.RandomHorizontalFlip(),
     ]
@@ -94,5 +110,5 @@ def imagenet_train(size: int = 224, *, jitter: float | None = 0.4) -> v2.Compose
 
 def imagenet_eval(size: int = 224, resize: int = 256) -> v2.Compose:
     """Resize the short side to ``resize``, centre-crop ``size``; uint8 out."""
-    ops = [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
+    ops = _from_any_pil_mode() + [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
     return v2.Compose(ops + _to_uint8_tensor())
