@@ -144,6 +144,25 @@ def test_animated_gif_gives_its_first_frame():
     assert torch.equal(decode_image(data), pillow_reference(data, "RGB"))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("fmt", "options"),
+    [("WEBP", {"lossless": True}), ("TIFF", {}), ("GIF", {})],
+)
+def test_animated_webp_and_multipage_tiff_give_their_first_frame_as_pillow(fmt, options, mode):
+    frames = [Image.fromarray(photo(10, 12, seed=i)) for i in range(3)]
+    data = encode(frames[0], fmt, save_all=True, append_images=frames[1:], **options)
+    assert torch.equal(decode_image(data, mode=mode), pillow_reference(data, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("fmt", "source"), [("BMP", "RGB"), ("BMP", "P"), ("TIFF", "RGBA")])
+def test_formats_torchvision_cannot_read_equal_pillow_convert(fmt, source, mode):
+    """As a torchvision ImageFolder's loader opens them, in place of torchvision's refusal."""
+    data = encode(Image.fromarray(photo(30, 41)).convert(source), fmt)
+    assert torch.equal(decode_image(data, mode=mode), pillow_reference(data, mode))
+
+
 @pytest.mark.parametrize("size", [(100, 150), (400, 600), 224, (375, 500)])
 def test_size_resizes_the_decoded_image(size):
     data = jpeg()

@@ -2,10 +2,11 @@
 
 JPEG, WebP and GIF go through torchvision's native decoders (libjpeg-turbo, libwebp), which take
 the encoded bytes as a tensor wrapped around the buffer and release the GIL while they work, so
-several ``preprocess`` threads decode in parallel. Pillow decodes PNG, whose decode releases the
-GIL too: torchvision's PNG decoder ends the whole process (SIGSEGV) on some damaged files (a header
-that promises more rows than the data holds: libpng's "Not enough image data"), where a sample
-must fail alone; it also ignores a grey or RGB PNG's ``tRNS`` alpha. Pillow also does what
+several ``preprocess`` threads decode in parallel. Pillow decodes every other format it reads
+(BMP, TIFF, an animated WebP's first frame, ...), and PNG, whose decode releases the GIL too:
+torchvision's PNG decoder ends the whole process (SIGSEGV) on some damaged files (a header that
+promises more rows than the data holds: libpng's "Not enough image data"), where a sample must
+fail alone; it also ignores a grey or RGB PNG's ``tRNS`` alpha. Pillow also does what
 torchvision cannot: draft-mode JPEG decoding (``draft=True``).
 
 torchvision's decoders disagree on modes (JPEG has no alpha; GIF always returns RGB; WebP cannot
@@ -93,7 +94,8 @@ def decode_image(
     draft: bool = False,
     antialias: bool = True,
 ) -> torch.Tensor:
-    """Decode an encoded image (JPEG, PNG, WebP, GIF, …) into a uint8 ``C×H×W`` tensor.
+    """Decode an encoded image (JPEG, PNG, WebP, GIF, BMP, TIFF, any format Pillow reads) into a
+    uint8 ``C×H×W`` tensor.
 
     ``mode`` is the channel layout wanted whatever the file holds, with Pillow's names: ``"RGB"``,
     ``"RGBA"``, ``"L"`` (grey) or ``"LA"``. A missing alpha channel is filled with 255. ``size``
@@ -104,7 +106,8 @@ def decode_image(
     followed by ``PILToTensor`` for 8-bit PNG, WebP and GIF, with two differences: colour JPEG
     to ``"L"`` takes libjpeg's luma (as ``decode_jpeg(mode=GRAY)`` does), which can differ from
     Pillow's RGB→L formula by a few levels; 16-bit PNGs are scaled to 8 bits (``value >> 8``)
-    where Pillow clips grey ones. GIF transparency is dropped and only the first frame is returned.
+    where Pillow clips grey ones. GIF transparency is dropped; an animated GIF or WebP and a
+    multi-page TIFF give their first frame. Other formats are Pillow's ``convert(mode)``.
     EXIF orientation is not applied (neither torchvision nor Pillow does by default). As with
     Pillow, a 16-bit RGB PNG's ``tRNS`` colour makes no alpha, and a PNG whose pixel data ends
     early decodes with its missing rows black; other damaged files raise ``ValueError``.
@@ -186,7 +189,7 @@ def _starts_with(encoded: Encoded, magic: bytes) -> bool:
 def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     """torchvision decode in a mode it handles for this format, then the channels fixed up; PNG,
     and everything where torchvision has no decoder, by Pillow."""
-    if _TV_DECODE is None or _starts_with(encoded, _PNG_MAGIC):
+    if _TV_DECODE is None or not _torchvision_decodes(encoded):
         return _decode_with_pillow(encoded, mode)
     request = _request(encoded, mode)
     try:
@@ -198,6 +201,24 @@ def _decode(encoded: torch.Tensor, mode: Mode) -> torch.Tensor:
     if image.dtype == torch.uint16:  # 16-bit PNG: keep the high byte
         image = to_dtype(image, torch.uint8, scale=True)
     return convert_channels(image, mode)
+
+
+def _torchvision_decodes(encoded: torch.Tensor) -> bool:
+    """Whether the bytes are a format torchvision's decoders take and this module leaves to
+    them: JPEG, GIF, or a WebP that is not animated (libwebp's simple decode refuses those). PNG
+    is Pillow's (see the module's docstring), and so is any format torchvision does not read
+    (BMP, TIFF, ...), which Pillow opens as a torchvision ``ImageFolder``'s loader does."""
+    head = as_array(encoded)[: _WEBP_FLAGS + 1].tobytes()
+    if head.startswith((_JPEG_MAGIC, b"GIF87a", b"GIF89a")):
+        return True
+    if head[:4] != b"RIFF" or head[8:12] != b"WEBP":
+        return False
+    extended = head[12:16] == b"VP8X"  # the chunk whose flags say whether it is animated
+    return not (extended and len(head) > _WEBP_FLAGS and head[_WEBP_FLAGS] & _WEBP_ANIMATED)
+
+
+_WEBP_FLAGS = 20  # the VP8X chunk's flags byte
+_WEBP_ANIMATED = 0x02
 
 
 def _request(encoded: torch.Tensor, mode: Mode) -> ImageReadMode:
