@@ -1009,6 +1009,36 @@ def test_workers_killed_between_epochs_are_replaced_and_fail_nothing():
     del loader
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux)")
+def test_workers_outlive_their_fork_server_killed_between_epochs_and_end_with_the_loader():
+    """multiprocessing reads a fork-server child's end from the server: killed (the OOM killer,
+    say), it reports every worker ended with exit code 255. They run on, and serve on."""
+    loader = ours(Pids(), sampler=Passes(), batch_size=1, num_workers=2, persistent_workers=True)
+    first = {batch.item() for batch in loader}
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert len(first) == 2 and all(parent_of(pid) == server for pid in first)
+    os.kill(server, signal.SIGKILL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing died: no warning that a task runs again
+        assert {batch.item() for batch in loader} == first
+    del loader
+    assert not any(running(pid) for pid in first)  # stopped, though no longer our grandchildren
+
+
 class StatefulPids(Pids):
     """Pids with state of its own: each worker process reads batch i % 2 on its own copy."""
 

@@ -180,24 +180,6 @@ set_thread_name: Callable[[str], None] = _private(
 )
 
 
-class _ManagerWatchdog:
-    """torch's POSIX ``ManagerWatchdog``: whether the process that started us is still there."""
-
-    def __init__(self) -> None:
-        self.manager_pid = os.getppid()
-        self.manager_dead = False
-
-    def is_alive(self) -> bool:
-        if not self.manager_dead:
-            self.manager_dead = os.getppid() != self.manager_pid
-        return not self.manager_dead
-
-
-ManagerWatchdog: Any = _private(
-    "ManagerWatchdog", "torch.utils.data._utils.worker", "ManagerWatchdog", _ManagerWatchdog
-)
-
-
 def _generate_state(base_seed: int, worker_id: int) -> list[int]:
     """torch's ``_generate_state`` (adapted by torch from numpy's ``SeedSequence``, MIT licence):
     the numpy seed of a worker process, so that numpy and ``random`` streams differ."""

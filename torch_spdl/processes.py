@@ -41,6 +41,7 @@ import contextlib
 import copy
 import faulthandler
 import functools
+import multiprocessing
 import os
 import pickle
 import random
@@ -54,19 +55,18 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from multiprocessing import connection, util
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
 import torch.multiprocessing  # registers torch's reductions: tensors travel in shared memory
 
-from . import inherited
+from . import inherited, orphans
 from .batching import FetchTask, SampleTask
 from .blas import single_threaded_blas
 from .compat import (
     MP_STATUS_CHECK_INTERVAL,
     ExceptionWrapper,
-    ManagerWatchdog,
     is_iterable,
     numpy_seed,
     set_thread_name,
@@ -196,11 +196,31 @@ def _start_worker(
     return READY, None
 
 
+class _MainWatch:
+    """Whether the main process is still there, checked by its pid. torch's ``ManagerWatchdog``
+    watches the parent process, which for a worker started by a fork server is the server: a
+    server killed (say by the OOM killer) would end every worker the main process still uses.
+    Its pipe closing ends a worker at once anyway; this is the backstop, as torch's is."""
+
+    def __init__(self) -> None:
+        parent = multiprocessing.parent_process()  # the process that started us, not the server
+        self.main = os.getppid() if parent is None or parent.pid is None else parent.pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.main, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # there, though not ours to signal
+            pass
+        return True
+
+
 def _serve(job: Job, worker: int, conn: connection.Connection, read: Any) -> None:
     """Answer requests one at a time; between them, check on the main process like torch does.
     Each request read is counted in ``read`` before it runs: should this process die, the main
     process knows which of its requests it had not begun."""
-    watchdog = ManagerWatchdog()
+    watchdog = _MainWatch()
     while watchdog.is_alive():
         if not conn.poll(MP_STATUS_CHECK_INTERVAL):
             continue
@@ -313,6 +333,31 @@ class _Worker:
     dead: bool = False
     ready: bool = False  # it has said it is set up (:meth:`ProcessPool.wait_ready`)
     sent: int = 0  # requests sent to it
+    orphan: int | None = None  # a pidfd that watches it once its fork server died (:mod:`orphans`)
+
+    @property
+    def sentinel(self) -> Any:
+        """What turns readable when it ends."""
+        return self.process.sentinel if self.orphan is None else self.orphan
+
+    def outlived_its_server(self) -> bool:
+        """Whether it runs on though its sentinel says it ended: its fork server died. It is
+        watched through a pidfd from then on."""
+        if self.orphan is None:
+            self.orphan = orphans.watch(self.process)
+            return self.orphan is not None
+        return False  # the pidfd turned readable: it has ended
+
+    def exited(self, timeout: float) -> bool:
+        """Whether it has ended, waiting up to ``timeout`` seconds (its status is read under
+        :data:`SERVER_LOCK`, not waited for under it)."""
+        if self.orphan is None:
+            connection.wait([self.process.sentinel], timeout)
+            if exit_code(self.process, 0) is None:
+                return False
+            if not self.outlived_its_server():
+                return True
+        return orphans.ended(cast(int, self.orphan), timeout)
 
     def send(self, message: bytes) -> int:
         """Send a request (the caller holds :attr:`lock`); its number, for :meth:`has_read`. A
@@ -344,8 +389,12 @@ class _Worker:
 
     def ended(self) -> str:
         """How it ended: its pid, and its exit code or signal."""
-        code = exit_code(self.process, SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         text = f"DataLoader worker process {self.id} (pid {self.process.pid}) exited unexpectedly"
+        if self.orphan is not None:
+            if not self.exited(SHUTDOWN_GRACE):
+                return f"{text}: it closed its pipe and is still running"
+            return f"{text} (its exit code is unknown: its fork server died before it)"
+        code = exit_code(self.process, SHUTDOWN_GRACE)  # it has closed its pipe: it is exiting
         if code is None:
             return f"{text}: it closed its pipe and is still running"
         text += f" with exit code {code}"
@@ -465,29 +514,49 @@ class _Processes:
         deadline = time.monotonic() + SHUTDOWN_GRACE
         try:
             for worker in self.workers:
-                worker.process.join(max(0.0, deadline - time.monotonic()))
+                worker.exited(max(0.0, deadline - time.monotonic()))
         except BaseException:  # a Ctrl-C in the wait: no grace, and no process left behind
             for worker in self.workers:
-                worker.process.kill()
+                _signal(worker, signal.SIGKILL)
             for worker in self.workers:
-                worker.process.join()  # reaped (killed, it exits at once): no zombie either
+                _reap(worker)  # killed, it exits at once: no zombie either
             raise
         for worker in self.workers:
-            _terminate(worker.process)
+            _terminate(worker)
         self.wake.close()
         self._waker.close()
 
 
-def _terminate(process: Any) -> None:
+def _terminate(worker: _Worker) -> None:
     """End a process still running after the grace period (stuck in user code): SIGTERM as torch
     does, then SIGKILL if it outlives another grace period (it may handle SIGTERM)."""
-    if process.is_alive():
-        process.terminate()
-        process.join(SHUTDOWN_GRACE)
-    if process.is_alive():
-        process.kill()
-        process.join()
-    process.close()  # its sentinel's file descriptor
+    if not worker.exited(0):
+        _signal(worker, signal.SIGTERM)
+        worker.exited(SHUTDOWN_GRACE)
+    if not worker.exited(0):
+        _signal(worker, signal.SIGKILL)
+    _reap(worker)
+
+
+def _signal(worker: _Worker, sig: signal.Signals) -> None:
+    """Send ``sig`` to ``worker``'s process, through its pidfd once its fork server died (the
+    process object then takes it for ended, and sends nothing)."""
+    if worker.orphan is not None:
+        orphans.send(worker.orphan, sig)
+    elif sig == signal.SIGTERM:
+        worker.process.terminate()
+    else:
+        worker.process.kill()
+
+
+def _reap(worker: _Worker) -> None:
+    """Wait for ``worker``'s process to end, and close what watched it."""
+    if worker.orphan is None:
+        worker.process.join()
+    else:
+        orphans.ended(worker.orphan, None)
+        os.close(worker.orphan)
+    worker.process.close()  # its sentinel's file descriptor
 
 
 WorkerStart = tuple[Job, Callable[[int], None] | None]
@@ -657,10 +726,10 @@ class ProcessPool:
             new = self._spawn(worker.id)
             if not self._processes.replace(worker, new):  # closing: close() ends the dead one
                 new.close()
-                _terminate(new.process)
+                _terminate(new)
                 self._check_open()
             worker.close()  # out of the pool now: reap it
-            _terminate(worker.process)
+            _terminate(worker)
             self._await_ready(new)
         except WorkerDied:  # none takes its next tasks, then
             self._processes.broken = WorkerDied(f"{cannot}: {new.ended()}, as it started")
@@ -795,7 +864,7 @@ class ProcessPool:
         :data:`NOT_YET` if ``bell`` (a file descriptor) turns readable first."""
         self._check_open()  # a thread starting late, after the pipeline stopped
         wake = self._processes.wake
-        waits: list[Any] = [worker.conn, worker.process.sentinel, wake]
+        waits: list[Any] = [worker.conn, worker.sentinel, wake]
         ready = connection.wait(waits if bell is None else [*waits, bell])
         if worker.conn in ready:
             try:
@@ -805,13 +874,15 @@ class ProcessPool:
             try:
                 return pickle.loads(message)
             except Exception as error:  # shared tensors are fetched from their sender: gone?
-                if exit_code(worker.process, 0) is not None:
+                if worker.exited(0):
                     raise _ReplyLost(str(worker.died())) from error
                 raise
         if wake in ready:
             self._check_open()
-        if worker.process.sentinel not in ready and bell in ready:
+        if worker.sentinel not in ready and bell in ready:
             return NOT_YET
+        if worker.outlived_its_server():
+            return self._receive(worker, bell)
         raise worker.died()
 
     def _pin(self, data: Any) -> Any:
