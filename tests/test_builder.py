@@ -397,6 +397,22 @@ def test_auto_stop_joins_threads_when_the_block_is_left_early():
     assert pipeline.closed  # no_leak checks the threads are gone
 
 
+def test_auto_stop_raises_an_on_start_error_that_stopped_the_pipeline_before_it():
+    """Not a "stopped pipeline" RuntimeError that hides it: the error a loop over it raises."""
+
+    def init(worker):
+        raise OSError("cannot open the database")
+
+    pipeline = build(range(10), pipe(lambda x: x, on_start=init))
+    stopped = threading.Event()
+    pipeline.on_stop(stopped.set)
+    assert stopped.wait(30)  # the failed start stopped it: auto_stop comes after
+    with pytest.raises(OSError, match="cannot open the database"), pipeline.auto_stop():
+        pytest.fail("the block runs")
+    with pytest.raises(RuntimeError, match="stopped"):  # raised once, as a loop raises it once
+        pipeline.start()
+
+
 def test_a_sink_buffer_holds_that_many_finished_items():
     made = {x: threading.Event() for x in range(100)}
 

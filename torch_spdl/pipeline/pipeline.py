@@ -481,9 +481,16 @@ class Pipeline(Generic[T]):
 
     def start(self, timeout: float | None = None) -> None:
         """SPDL's ``start``: here the threads start when the pipeline is made, so this only
-        checks that it has not been stopped."""
-        if self.closed:
-            raise RuntimeError("start() on a stopped pipeline: build a new one")
+        checks that it has not been stopped. Stopped by a fatal error not raised yet (an
+        ``on_start`` that failed as the pipeline was made), it raises that error."""
+        if not self.closed:
+            return
+        failure = self._runtime.failure
+        if failure is not None and self._running:  # no get has raised it
+            self._running = False
+            self.close()
+            failure.reraise()
+        raise RuntimeError("start() on a stopped pipeline: build a new one")
 
     def stop(self, timeout: float | None = None) -> None:
         """SPDL's ``stop``: :meth:`close`."""
