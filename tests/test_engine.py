@@ -169,6 +169,51 @@ def test_source_error_is_raised_and_stops_the_pipeline():
         list(pipe)
 
 
+class WithMessage(Exception):
+    """Its detail positional, and a class-level ``message``, as some client libraries have."""
+
+    message = "API call failed"
+
+    def __init__(self, detail):
+        super().__init__(detail)
+
+
+class WithMessageKeyword(Exception):
+    message = "API call failed"
+
+    def __init__(self, *, message):
+        super().__init__(message)
+
+
+class WithMessageAndCode(Exception):
+    message = "API call failed"
+
+    def __init__(self, detail, code):
+        super().__init__(detail, code)
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [
+        (WithMessage("quota exceeded"), WithMessage),
+        (WithMessageKeyword(message="quota exceeded"), WithMessageKeyword),
+        (WithMessageAndCode("quota exceeded", 429), RuntimeError),
+    ],
+)
+def test_an_exception_with_a_message_attribute_keeps_its_type_where_it_can_be_built(error, raised):
+    """torch builds such a type as ``type(message=...)`` outside its fallback to RuntimeError:
+    one that takes no such keyword would raise a TypeError that hides the error."""
+
+    def fails(x):
+        raise error
+
+    pipe = Pipeline(range(1), [Stage("s", fails)])
+    with pytest.raises(raised, match=r"^Caught \w+ in stage 's' \(worker thread 0\)") as info:
+        next(pipe)
+    pipe.close()
+    assert type(info.value) is raised and "quota exceeded" in str(info.value)
+
+
 def test_on_start_error_reaches_consumer():
     def on_start(worker):
         raise RuntimeError(f"init failed in {worker}")

@@ -6,6 +6,7 @@ engine never needs a lock to keep order; only the sink that was asked for order 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -71,8 +72,23 @@ class Failure:
                 f"Caught {wrapper.exc_type.__name__} {wrapper.where}, which fails this item (in "
                 f"torch's loader it would end a worker process).\nOriginal {wrapper.exc_msg}"
             )
+        if wrapper.exc_type is not KeyError and getattr(wrapper.exc_type, "message", None):
+            raise _with_message(wrapper)
         wrapper.reraise()
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _with_message(wrapper: ExceptionWrapper) -> Exception:
+    """The exception of a type with a ``message`` attribute: torch builds it as
+    ``type(message=...)``, outside the fallback it has for a type it cannot build, so one whose
+    ``__init__`` takes no such keyword raised a ``TypeError`` that hid the error. Here it is
+    built positionally then, and failing that is a ``RuntimeError``, as torch's fallback."""
+    message = f"Caught {wrapper.exc_type.__name__} {wrapper.where}.\nOriginal {wrapper.exc_msg}"
+    with contextlib.suppress(Exception):
+        return wrapper.exc_type(message=message)
+    with contextlib.suppress(Exception):
+        return wrapper.exc_type(message)
+    return RuntimeError(message)
 
 
 @dataclass(frozen=True, slots=True)
