@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import random
 import threading
 import time
@@ -536,3 +537,50 @@ def test_the_dataloader_builds_its_passes_with_the_builder(monkeypatch, dataset,
     batches = list(loader)
     assert [b.tolist() for b in batches] == [b.tolist() for b in expected]
     assert built == [stages]
+
+
+class Listing:
+    """An async iterable read again each epoch (a paginated listing); ``closed`` records the
+    epochs whose generator has run its ``finally``."""
+
+    def __init__(self) -> None:
+        self.epochs, self.closed = 0, []
+        self.closing = threading.Semaphore(0)  # released as each epoch's generator is closed
+
+    async def __aiter__(self):
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        try:
+            for i in itertools.count():
+                await asyncio.sleep(0)
+                yield i
+        finally:
+            self.closed.append(epoch)
+            self.closing.release()
+
+
+def test_a_persistent_pipeline_closes_the_async_source_of_an_epoch_left_early_at_restart():
+    """Not only at close(): each epoch's source holds an event loop (three file descriptors)."""
+    listing = Listing()
+    pipeline = PipelineBuilder().add_source(listing).pipe(abs).add_sink().build(persistent=True)
+    for epoch in range(3):
+        assert [x for _, x in zip(range(3), pipeline, strict=False)] == [0, 1, 2]
+        pipeline.restart()  # by this call, or by the thread inside the source as it comes out
+        assert listing.closing.acquire(timeout=30)
+        assert listing.closed == list(range(epoch + 1))
+    pipeline.close()  # the fourth epoch's generator too, if a thread had begun it
+    assert listing.closed == list(range(listing.epochs)) and listing.epochs in (3, 4)
+
+
+def test_close_runs_a_generator_sources_finally():
+    ran = []
+
+    def source():
+        try:
+            yield from range(100)
+        finally:
+            ran.append("finally")
+
+    pipeline = build(source(), pipe(abs))
+    assert pipeline.get_item(timeout=30) == 0
+    pipeline.close()
+    assert ran == ["finally"]  # now, not when the pipeline is collected

@@ -76,6 +76,11 @@ class StopSignal:
                 return
         callback()
 
+    def off(self, callback: Callable[[], None]) -> None:
+        """No longer run ``callback`` (registered by :meth:`on_set`), if it has not run."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
     def set(self) -> None:
         with self._lock:
             if self._is_set:

@@ -109,20 +109,31 @@ class SharedReader:
             self._budget.notify_all()
 
     def start_epoch(self, iterable: Iterable[Any]) -> tuple[int, int]:
-        """Begin a new epoch over ``iterable``; returns ``(epoch, base seq)``."""
+        """Begin a new epoch over ``iterable``; returns ``(epoch, base seq)``. The iterator of
+        an epoch left before its end is closed (:meth:`_let_go`)."""
         with self._lock:
+            left = self._let_go()
             self._epoch += 1
             self._base = self._next_seq
             self._free = self._limit
             self._last_local = object()
             self._iterator = iterate(iterable, self._stop)
             self._wake_all()
-            return self._epoch, self._base
+            epoch, base = self._epoch, self._base
+        _close(left)
+        return epoch, base
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._wake_all()
+            left = self._let_go()
+        _close(left)
+
+    def _let_go(self) -> Iterator[Any] | None:
+        """The current iterator, to be closed by the caller outside the lock, unless a thread is
+        inside it (it closes it when it comes out: :meth:`_take`)."""
+        return None if self._busy else self._iterator
 
     def release(self, seq: int) -> None:
         """The consumer is done with ``seq``: one more may enter (unless ``seq`` is stale)."""
@@ -209,8 +220,11 @@ class SharedReader:
                 try:
                     numbered = self._number(taken, epoch)
                 finally:
+                    left = self._epoch != epoch or self._closed  # let go of meanwhile
                     self._busy = False
                     self._cond.notify()  # the next thread's turn
+            if left:
+                _close(iterator)
             if numbered is not None:
                 return numbered
 
@@ -275,6 +289,17 @@ class SharedReader:
 
 
 _ITEM, _ENDED, _FAILED = "item", "ended", "failed"
+
+
+def _close(iterator: Iterator[Any] | None) -> None:
+    """Close an iterator the pipeline is done with before its end: a generator's ``finally``
+    runs now, not when the pipeline is collected, and an async source's event loop is closed
+    (one per epoch would otherwise pile up in a persistent pipeline). An error in that clean-up
+    is dropped, as when a generator is collected: the epoch it belonged to is over."""
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()
 
 
 def _advance(iterator: Iterator[Any]) -> tuple[str, Any]:
@@ -348,6 +373,7 @@ class FromAsync:
                     self._loop.run_until_complete(aclose())
         finally:
             self._loop.close()
+            self._stop.off(self._cancel)
 
     def __del__(self) -> None:
         self.close()
