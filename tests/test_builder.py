@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import pickle
 import random
 import threading
 import time
@@ -249,6 +250,17 @@ def test_process_executor_error_names_the_pipe_item_and_worker(no_child_left):
     results = take_all(pipeline)
     assert results[0] == zlib.compress(b"x") and results[2] == zlib.compress(b"y")
     assert "in stage 'compress' for item 'not bytes' (worker process 0)" in results[1][1]
+
+
+def test_an_unpicklable_process_op_is_named_with_the_ways_out(no_child_left):
+    """Not the DataLoader's advice (its dataset, worker_method), which a pipeline has not."""
+    local = 2
+    with (
+        pytest.warns(RuntimeWarning, match=r"^pipe 'scaled'.*executor='thread'") as warned,
+        pytest.raises((AttributeError, TypeError, pickle.PicklingError)),
+    ):
+        build(range(3), pipe(lambda x: x * local, executor="process", name="scaled"))
+    assert "DataLoader" not in str(warned[0].message)
 
 
 def test_a_concurrent_futures_executor_of_the_users():

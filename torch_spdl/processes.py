@@ -73,7 +73,7 @@ from .compat import (
     set_worker_signal_handlers,
 )
 from .copies import CopyTask
-from .jobs import FetchJob, IterableJob, Job, PreprocessJob, WholeJob
+from .jobs import FetchJob, IterableJob, Job, OpJob, PreprocessJob, WholeJob
 from .main_script import unguarded_main, unreachable_main
 from .messages import END, ERROR, READY, RESET, RUN, Packed, Reply, dumps, pack, release_received
 from .pickled import contents, copies_too_large
@@ -451,7 +451,7 @@ def _start_process(
             if end is not None:
                 end.close()
         if isinstance(error, (TypeError, AttributeError, pickle.PicklingError)):
-            explain_pickling(context, error)
+            explain_pickling(context, error, job.stage if isinstance(job, OpJob) else None)
         raise
     finally:
         for end in (theirs, stack_pipe):  # the worker has its own copies now

@@ -261,18 +261,26 @@ def modules_in(values: Iterable[Any]) -> list[str]:
     return list(dict.fromkeys(filter(None, map(_module_of, values))))
 
 
-def explain_pickling(context: Any, error: Exception) -> None:
+def explain_pickling(context: Any, error: Exception, op: str | None = None) -> None:
     """Say why a worker could not start where its arguments had to be pickled, and the ways out
-    (torch warns likewise where Python 3.14 made it start workers from a fork server)."""
+    (torch warns likewise where Python 3.14 made it start workers from a fork server). ``op``:
+    the name of the pipeline stage whose op the worker was given, where it was no loader's."""
     method = context.get_start_method()
     if method == "fork":
         return
-    warnings.warn(
-        f"the DataLoader's worker processes could not start by {method!r}: what a worker is "
-        "given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must be "
-        f"picklable, and this was not ({error}). Make it picklable (worker_method='auto' keeps "
-        "the stage on threads until then), or pass multiprocessing_context='fork' to fork the "
-        "workers from this process, which is safe only while no other thread holds a lock.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    if op is not None:
+        text = (
+            f"pipe {op!r}'s worker processes could not start by {method!r}: its op must be "
+            f"picklable, and was not ({error}). Define it at a module's top level, or use "
+            "executor='thread'."
+        )
+    else:
+        text = (
+            f"the DataLoader's worker processes could not start by {method!r}: what a worker is "
+            "given (the dataset, collate_fn or the preprocess hook, worker_init_fn) must be "
+            f"picklable, and this was not ({error}). Make it picklable (worker_method='auto' "
+            "keeps the stage on threads until then), or pass multiprocessing_context='fork' to "
+            "fork the workers from this process, which is safe only while no other thread holds "
+            "a lock."
+        )
+    warnings.warn(text, RuntimeWarning, stacklevel=2)
