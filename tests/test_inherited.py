@@ -4,6 +4,7 @@ worker processes, the process-wide settings a fresh interpreter would not have."
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -200,3 +201,31 @@ def test_without_torchs_fake_backend_a_worker_warns_and_has_no_group(no_group, m
     with pytest.warns(RuntimeWarning, match="could not start a stand-in .*rank 1 of 3"):
         inherited._stand_in_group(1, 3)
     assert not no_group.is_initialized()
+
+
+class Environment(Dataset):
+    """What each sample reads from the environment."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> str:
+        return os.environ.get("TORCH_SPDL_TEST_LEVEL", "unset")
+
+
+def test_worker_processes_read_the_environment_as_it_is_when_the_pool_starts(
+    monkeypatch, no_child_left
+):
+    """As a forked worker would, though the fork server dates from before it was set; so too a
+    variable removed since."""
+    levels = []
+    for level in ("1", "2", None):
+        if level is None:
+            monkeypatch.delenv("TORCH_SPDL_TEST_LEVEL")
+        else:
+            monkeypatch.setenv("TORCH_SPDL_TEST_LEVEL", level)
+        loader = torch_spdl.DataLoader(
+            Environment(), batch_size=2, num_workers=2, worker_method="process"
+        )
+        levels.append({value for batch in loader for value in batch})
+    assert levels == [{"1"}, {"2"}, {"unset"}]

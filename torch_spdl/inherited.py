@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import pickle
 import sys
 import warnings
@@ -59,6 +60,7 @@ class Settings:
     anomaly: tuple[bool, bool]  # set_detect_anomaly(mode, check_nan)
     process_group: tuple[int, int] | None  # (rank, world size) of the default group, if any
     sharing_strategy: str  # torch.multiprocessing's: how a worker's large tensors reach us
+    environ: dict[str, str]  # os.environ: the fork server's dates from its own start
 
 
 def capture() -> Settings:
@@ -77,6 +79,7 @@ def capture() -> Settings:
         (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         process_group(),
         torch.multiprocessing.get_sharing_strategy(),
+        dict(os.environ),
     )
 
 
@@ -120,6 +123,7 @@ def _travels(value: Any) -> bool:
 
 def apply(settings: Settings) -> None:
     """Set ``settings`` in this (worker) process."""
+    _mirror(os.environ, settings.environ)
     torch.set_default_dtype(settings.default_dtype)
     torch.set_grad_enabled(settings.grad_enabled)
     if settings.deterministic != _deterministic():  # the call costs a second: only to change it
@@ -144,6 +148,17 @@ def apply(settings: Settings) -> None:
             warnings.filterwarnings(  # each goes first: in reverse, they end in their order
                 action, _text(message), category, _text(module), lineno
             )
+
+
+def _mirror(environ: Any, wanted: dict[str, str]) -> None:
+    """Make ``environ`` hold ``wanted``, as a forked worker's would: a variable the script set
+    or removed after the fork server started (an augmentation level, a library's switch) reads
+    the same in the threads and in the processes of a pass that moves between them."""
+    for name in [name for name in environ if name not in wanted]:
+        del environ[name]
+    for name, value in wanted.items():
+        if environ.get(name) != value:
+            environ[name] = value
 
 
 def _stand_in_group(rank: int, world_size: int) -> None:
