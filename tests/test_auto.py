@@ -12,11 +12,13 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from host_load import unstolen
 from index_datasets import Indices, WhereRead
 from torch.utils.data import Dataset, IterableDataset
+from versions import HAS_RNG
 
 import torch_spdl
 from torch_spdl import auto, gil, server_up, shared_buffers
@@ -1247,6 +1249,45 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     got, pids = indices_of(loader)
     assert got == expected and os.getpid() not in pids
     assert [report.kind for report in loader.stats().stages] == ["process"]
+
+
+class Draws(PythonSamples):
+    """Samples that hold the GIL, each a draw from its worker's ``rng`` and, seeded from the
+    worker's ``seed`` as torch's docs suggest, from NumPy's global generator."""
+
+    def __getitem__(self, index: int) -> tuple[int, int, float, float]:
+        _, pid = super().__getitem__(index)
+        rng = torch.utils.data.get_worker_info().rng
+        return index, pid, rng.random_generator.random(), float(np.random.random())
+
+
+def seed_numpy_from_the_worker_seed(worker_id: int) -> None:
+    np.random.seed(torch.utils.data.get_worker_info().seed % 2**32)
+
+
+@pytest.mark.skipif(not HAS_RNG, reason="WorkerInfo.rng is torch 2.12's")
+def test_processes_taking_over_from_threads_draw_no_number_the_threads_drew(
+    quick_switch, no_child_left, decides
+):
+    """Seeded as the threads were, each process would draw again what its thread drew."""
+    decides(PROCESS)
+    loader = torch_spdl.DataLoader(
+        Draws(3000, 20_000),
+        batch_size=8,
+        num_workers=2,
+        worker_init_fn=seed_numpy_from_the_worker_seed,
+    )
+    pids, rng_draws, numpy_draws = [], [], []
+    for _, pid, rng_draw, numpy_draw in loader:
+        pids += pid.tolist()
+        rng_draws += rng_draw.tolist()
+        numpy_draws += numpy_draw.tolist()
+    in_threads = pids.count(os.getpid())
+    assert 0 < in_threads < len(pids), loader.stats().executor  # it moved mid-pass
+    assert len(set(rng_draws)) == len(rng_draws) == 3000
+    # the threads share the one global generator: it is the processes' draws that must not
+    # repeat one another's or theirs
+    assert len(set(numpy_draws)) == len(numpy_draws)
 
 
 @pytest.mark.skipif(not GIL_ON, reason="with the GIL off the stage stays on threads")

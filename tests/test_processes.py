@@ -1039,6 +1039,27 @@ def test_workers_outlive_their_fork_server_killed_between_epochs_and_end_with_th
     assert not any(running(pid) for pid in first)  # stopped, though no longer our grandchildren
 
 
+class GlobalAndOwnDraws(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        own = torch.utils.data.get_worker_info().rng
+        return [
+            (torch.rand(1).item(), torch.rand(1, generator=own.torch_generator).item()),
+            (random.random(), own.random_generator.random()),
+        ]
+
+
+@pytest.mark.skipif(not HAS_RNG, reason="WorkerInfo.rng is torch 2.12's")
+def test_a_worker_process_rng_draws_otherwise_than_its_global_generators():
+    """Both seeded with the worker's seed, a transform drawing from the global generators
+    (torchvision's do) beside one drawing from ``rng`` would get the same numbers."""
+    loader = ours(GlobalAndOwnDraws(), batch_size=None, num_workers=2)
+    pairs = [pair for sample in loader for pair in sample]
+    assert len(pairs) == 32 and not any(glob == own for glob, own in pairs)
+
+
 class StatefulPids(Pids):
     """Pids with state of its own: each worker process reads batch i % 2 on its own copy."""
 

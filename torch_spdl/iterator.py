@@ -528,7 +528,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
                 cpus=cores(),
                 inline=inline_possible,
             )
-        make_pool = process_pool(self, loader, self._moved)
+        make_pool = process_pool(self, loader, self._moved, taking_over=True)
         switch = Switch(
             fn,
             name,

@@ -1019,10 +1019,18 @@ def _kept(payload: Any, keep: Callable[[Any], None] | None) -> Any:
     return payload.batch
 
 
-def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolStarter:
+def process_pool(
+    iterator: Any, loader: Any, plan: Plan | None = None, taking_over: bool = False
+) -> PoolStarter:
     """What starts the worker processes of a loader's iterator, made now from plain values (it
     holds neither the iterator nor the loader, so the threads that may call it keep neither
     alive).
+
+    ``taking_over``: the processes take the stage over from threads that began the pass
+    (``"auto"``). Their seeds then follow the threads' and the I/O threads' (``base_seed +
+    num_workers + io_workers + id``): seeded as the threads were, a worker process would draw
+    again the numbers its thread drew from ``get_worker_info().rng``, and a ``worker_init_fn``
+    that seeds NumPy from ``get_worker_info().seed`` would repeat the thread's draws.
 
     ``iterator`` is the loader's ``_ThreadDataLoaderIter``; the job mirrors what its thread stage
     would run under ``plan`` (the iterator's own if None): torch's fetch without hooks,
@@ -1045,10 +1053,13 @@ def process_pool(iterator: Any, loader: Any, plan: Plan | None = None) -> PoolSt
         watch = None if plan.copies else loader._watch
     else:
         job = PreprocessJob(plan.hooks.preprocess, loader.dataset)
+    base_seed = int(iterator._base_seed)
+    if taking_over:
+        base_seed += iterator._num_workers + loader._options.io_workers
     return PoolStarter(
         job,
         iterator._num_workers,
-        iterator._base_seed,
+        base_seed,
         loader.worker_init_fn,
         loader.multiprocessing_context,
         iterator._pinner(),

@@ -231,9 +231,16 @@ def _stacking_info() -> Any:
 collate_in_process_memory()
 
 
+_RNG_STREAM = 0x726E67  # "rng": what sets ``rng``'s seed apart from the worker's own
+
+
 def thread_rng(seed: int) -> Any:
     """Per-thread generators (``WorkerInfo.rng`` of torch ≥ 2.12): threads share the global RNGs,
-    so a worker that wants reproducible randomness draws from these instead."""
+    so a worker that wants reproducible randomness draws from these instead. Seeded from
+    ``seed`` and a stream number, not with ``seed`` itself: a worker process seeds its global
+    generators with ``seed``, and a transform drawing from those beside one drawing from
+    ``rng`` would otherwise get the same numbers."""
+    seed = int(np.random.SeedSequence([seed, _RNG_STREAM]).generate_state(1, np.uint64)[0])
     return RNG(
         random_generator=random.Random(seed),
         torch_generator=torch.Generator().manual_seed(seed),
