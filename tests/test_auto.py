@@ -1251,6 +1251,35 @@ def test_a_gil_bound_stage_ends_up_in_processes_with_torchs_samples(quick_switch
     assert [report.kind for report in loader.stats().stages] == ["process"]
 
 
+class Locked(PythonSamples):
+    """Samples that hold the GIL and a lock: threads pass them on, a process could not."""
+
+    def __getitem__(self, index: int) -> tuple[int, int, Any]:
+        index, pid = super().__getitem__(index)
+        return index, pid, threading.Lock()
+
+
+def keep_the_locks(samples: list) -> tuple[Any, Any, list]:
+    indices, pids, locks = zip(*samples, strict=True)
+    return torch.tensor(indices), torch.tensor(pids), list(locks)
+
+
+def test_a_stage_whose_samples_cannot_be_pickled_stays_on_threads(no_child_left, decides):
+    """In processes, every batch from the move on would fail in being sent back."""
+    decides(PROCESS)
+    loader = torch_spdl.DataLoader(
+        Locked(600, 20_000), batch_size=8, num_workers=2, collate_fn=keep_the_locks
+    )
+    indices, pids = [], set()
+    for index, pid, _ in loader:
+        indices += index.tolist()
+        pids.update(pid.tolist())
+    assert indices == list(range(600)) and pids == {os.getpid()}
+    executor = loader.stats().executor
+    assert "what the stage returns cannot be pickled back" in executor, executor
+    assert "lock" in executor, executor
+
+
 class Draws(PythonSamples):
     """Samples that hold the GIL, each a draw from its worker's ``rng`` and, seeded from the
     worker's ``seed`` as torch's docs suggest, from NumPy's global generator."""

@@ -689,6 +689,7 @@ class Trial:
     _knocker: Knocker | None = None
     _stopped: bool = False
     started: int = 0  # tasks begun on the threads: done, or still running there
+    returned: Any = None  # the last task's result: whether a worker process could send it back
 
     @property
     def narrow(self) -> bool:
@@ -742,7 +743,8 @@ class Trial:
             self._ours.add(threading.get_native_id())
         begin = ThreadClock.read()
         try:
-            return fn(task)
+            self.returned = fn(task)
+            return self.returned
         finally:
             end = ThreadClock.read()
             thread = threading.get_ident()

@@ -551,7 +551,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
         self,
         loader: DataLoader,
         inline_possible: bool,
-        vet: Callable[[], Vetting],
+        vet: Callable[[Any], Vetting],
     ) -> Callable[[Trial], Decision]:
         """What turns a trial into a decision, holding plain values only (stage threads call it).
         ``vet`` says why processes must not start, if they must not, and what each would be
@@ -576,7 +576,7 @@ class _ThreadDataLoaderIter(BaseDataLoaderIter):
             )
             decision = rule(no_processes=budget or (None if watch is None else watch.no_copies()))
             if decision.executor == PROCESS:  # asked only now: it pickles the dataset to look
-                why, job_bytes = vet()
+                why, job_bytes = vet(trial.returned)
                 if why is not None:
                     decision = rule(no_processes=why)
                 elif not decision.deferred:  # a large job may not pay for its start yet

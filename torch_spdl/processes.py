@@ -1126,13 +1126,18 @@ class PoolStarter:
         start_server(self.nice)
         return True
 
-    def vet(self) -> Vetting:
+    def vet(self, returned: Any = None) -> Vetting:
         """Whether ``"auto"`` may start these workers, and the size of what each is sent. Not
         where a main module they could not import, or a script without a main guard that they
         would (see :mod:`.main_script`), or copies of the dataset too large for this host (see
-        :mod:`.pickled`). It pickles what each is sent to look (the job and ``worker_init_fn``):
-        ``"auto"`` asks only where it would start them. Forked workers are sent nothing: they
-        inherit the job."""
+        :mod:`.pickled`), or where ``returned`` (what the stage returned on a thread) could not
+        be sent back from one: a sample holding a lambda or a lock, which threads pass as it
+        is, would fail each batch from then on. It pickles what each is sent to look (the job
+        and ``worker_init_fn``), and ``returned`` to nowhere: ``"auto"`` asks only where it
+        would start them. Forked workers are sent nothing: they inherit the job."""
+        sent_back = contents(returned).unpicklable
+        if sent_back:
+            return Vetting(f"what the stage returns cannot be pickled back ({sent_back})", 0)
         context = start_context(self.multiprocessing_context)
         if context.get_start_method() == "fork":
             return Vetting(None, 0)

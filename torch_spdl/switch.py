@@ -144,6 +144,7 @@ class Switch:
             self.trial = None
             trial.stop()
             decision = self._conclude(trial)
+            trial.returned = None  # a batch, held no longer than the decision needs it
             if decision.measure_again:  # other programs took the cores: this trial could not tell
                 self.trial, self.unsure = trial.again(), decision
                 return
