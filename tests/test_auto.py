@@ -364,7 +364,7 @@ def test_what_each_worker_would_be_sent_is_weighed_by_the_decision(
 
     monkeypatch.setattr(iterator, "decide", rule)
     monkeypatch.setattr(auto, "TRIAL_S", 0.0)
-    monkeypatch.setattr(PoolStarter, "vet", lambda starter: Vetting(None, 500_000_000))
+    monkeypatch.setattr(PoolStarter, "vet", lambda starter, returned: Vetting(None, 500_000_000))
     loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
     assert len(list(loader)) == 250
     assert costs == [auto.WARM_START_S, pytest.approx(auto.WARM_START_S + 5.0)]
@@ -2131,7 +2131,7 @@ def test_what_workers_are_given_is_looked_at_only_where_a_trial_ends_in_processe
     asked = []
     decides(chosen)
     monkeypatch.setattr(
-        PoolStarter, "vet", lambda starter: asked.append(1) or Vetting("it says no", 0)
+        PoolStarter, "vet", lambda starter, returned: asked.append(1) or Vetting("it says no", 0)
     )
     loader = torch_spdl.DataLoader(Indices(2000), batch_size=8, num_workers=2)
     assert asked == []  # made, not yet iterated

@@ -743,8 +743,9 @@ class Trial:
             self._ours.add(threading.get_native_id())
         begin = ThreadClock.read()
         try:
-            self.returned = fn(task)
-            return self.returned
+            returned = fn(task)
+            self.returned = returned  # this thread's: the last one's, where threads race
+            return returned
         finally:
             end = ThreadClock.read()
             thread = threading.get_ident()
