@@ -273,16 +273,22 @@ class KillsItsWorkerAtStart:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_worker_killed_while_it_starts_is_replaced_and_fails_nothing(tmp_path):
-    """It had no task yet: its replacement takes its first, as for one that dies between tasks."""
-    loader = DataLoader(
-        KillsItsWorkerAt(-1, tmp_path / "unused", n=10),
+def ten_in_processes(worker_init_fn) -> DataLoader:
+    """Our loader over 10 samples, batches of 2 in 2 worker processes set up by
+    ``worker_init_fn``."""
+    return DataLoader(
+        list(range(10)),
         batch_size=2,
         num_workers=2,
         worker_method="process",
-        worker_init_fn=KillsItsWorkerAtStart(tmp_path / "killed"),
+        worker_init_fn=worker_init_fn,
         timeout=TIMEOUT,
     )
+
+
+def test_a_worker_killed_while_it_starts_is_replaced_and_fails_nothing(tmp_path):
+    """It had no task yet: its replacement takes its first, as for one that dies between tasks."""
+    loader = ten_in_processes(KillsItsWorkerAtStart(tmp_path / "killed"))
     with pytest.warns(RuntimeWarning, match=r"exit code -9 .* while it started, before any task"):
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     assert not first_time(tmp_path / "killed")  # it did die
@@ -292,15 +298,8 @@ def kills_its_worker(worker_id: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_workers_that_die_whenever_they_start_raise_that_they_cannot_be_replaced(tmp_path):
-    loader = DataLoader(
-        KillsItsWorkerAt(-1, tmp_path / "unused", n=10),
-        batch_size=2,
-        num_workers=2,
-        worker_method="process",
-        worker_init_fn=kills_its_worker,
-        timeout=TIMEOUT,
-    )
+def test_workers_that_die_whenever_they_start_raise_that_they_cannot_be_replaced():
+    loader = ten_in_processes(kills_its_worker)
     with (
         pytest.warns(RuntimeWarning, match=r"while it started, before any task"),
         pytest.raises(RuntimeError, match=r"died and could not be replaced") as info,
